@@ -1,0 +1,1 @@
+"""BPF C sources, loaded from disk by bcc (package data)."""

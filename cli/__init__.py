@@ -1,0 +1,1 @@
+"""The click front end (installed as hami_bpf.cli)."""
