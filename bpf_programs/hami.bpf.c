@@ -1,0 +1,773 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * hami.bpf.c: every program hami-bpf loads, in libbpf-bootstrap's order:
+ * ABI, maps, helpers, then programs: libcuda uprobes and uretprobes, then the
+ * exit tracepoint. Programs are named after what they probe; probes.py
+ * attaches one program to several twins (_v2, _ptsz). (bcc makes programs,
+ * and rewrites map calls, only in the main file: hence one file.)
+ *
+ * Entry probes save their arguments in `inflight` (keyed by thread id) and
+ * run admission; return probes read results from user memory and report them.
+ * Optional helpers are compiled in only where the start-up probe found the
+ * kernel allows them (-DHAMI_HAVE_REG_WRITE, -DHAMI_HAVE_PROBE_WRITE_USER):
+ * the verifier refuses them even in branches that never run.
+ */
+#include <uapi/linux/ptrace.h>
+#include "hami.h"
+#include "maps.h"
+
+/* ---- helpers ----------------------------------------------------------- */
+/*
+ * cuda.c: uprobes and uretprobes on libcuda's driver entry points.
+ *
+ * Entry probes save their arguments in `inflight` (keyed by thread id) and
+ * run admission; return probes read the result from user memory and report
+ * it. Programs are named after what they probe; one program may be attached
+ * to several twins (_v2, _ptsz) by hami_bpf/probes.py.
+ */
+
+/* ---- small helpers ---------------------------------------------------- */
+
+static __always_inline void stat_inc(__u32 idx)
+{
+	__u64 *v = stats.lookup(&idx);
+	if (v)
+		(*v)++;
+}
+
+static __always_inline struct hami_config *get_config(void)
+{
+	__u32 zero = 0;
+	return config.lookup(&zero);
+}
+
+/* A stop is only ever sent while the controller is alive to undo it. */
+static __always_inline int controller_alive(struct hami_config *c)
+{
+	if (!c || !c->heartbeat_ns)
+		return 0;
+	return bpf_ktime_get_ns() - c->heartbeat_ns < c->stale_ns;
+}
+
+static __always_inline struct hami_proc *get_proc(__u32 tgid)
+{
+	struct hami_proc init = { .charged = HAMI_GROUP_NONE, .last_dev = -1 };
+	struct hami_proc *p = procs.lookup(&tgid);
+	if (p)
+		return p;
+	if (procs.update(&tgid, &init) != 0)
+		stat_inc(HAMI_STAT_PROCS_FULL);
+	return procs.lookup(&tgid);
+}
+
+static __always_inline struct hami_event *new_event(__u32 kind)
+{
+	struct hami_event *e = events.ringbuf_reserve(sizeof(struct hami_event));
+	if (!e) {
+		stat_inc(HAMI_STAT_RB_DROPS);
+		return 0;
+	}
+	__u64 id = bpf_get_current_pid_tgid();
+	e->kind = kind;
+	e->tgid = id >> 32;
+	e->tid = (__u32)id;
+	e->device = -1;
+	e->rc = 0;
+	e->flags = 0;
+	e->group = HAMI_GROUP_NONE;
+	e->alloc_kind = 0;
+	e->ts_ns = bpf_ktime_get_ns();
+	e->size = 0;
+	e->ptr = 0;
+	e->aux = 0;
+	bpf_get_current_comm(&e->comm, sizeof(e->comm));
+	return e;
+}
+
+/* Visible ordinal -> physical ordinal, as the controller mapped it. */
+static __always_inline __s32 to_physical(__u32 tgid, __s32 visible)
+{
+	if (visible < 0)
+		return visible;
+	struct hami_pcfg *pc = proc_cfg.lookup(&tgid);
+	if (!pc)
+		return visible;
+	return pc->phys[visible & (HAMI_MAX_DEVS - 1)];
+}
+
+/* The visible device of the calling thread's current context. */
+static __always_inline __s32 current_visible_device(__u32 tid, struct hami_proc *p)
+{
+	struct hami_tctx *t = cur_ctx.lookup(&tid);
+	if (t && t->depth > 0) {
+		__s32 d = t->dev[(t->depth - 1) & (HAMI_CTX_DEPTH - 1)];
+		if (d >= 0)
+			return d;
+	}
+	/* A context bound before we attached: the process's last known device. */
+	if (p && p->last_dev >= 0)
+		return p->last_dev;
+	return 0;
+}
+
+/*
+ * The group this process's bytes are charged to. The first probe after the
+ * controller assigned a group moves the bytes the process already holds into
+ * it; the cmpxchg makes exactly one thread do that.
+ */
+static __always_inline __u32 charged_group(__u32 tgid, struct hami_proc *p)
+{
+	if (!p)
+		return HAMI_GROUP_NONE;
+	if (p->charged != HAMI_GROUP_NONE)
+		return (__u32)p->charged;
+	struct hami_pcfg *pc = proc_cfg.lookup(&tgid);
+	if (!pc)
+		return HAMI_GROUP_NONE;
+	__u64 g = pc->group;
+	if (__sync_val_compare_and_swap(&p->charged, (__u64)HAMI_GROUP_NONE, g) != HAMI_GROUP_NONE)
+		return (__u32)p->charged;
+	struct hami_gmem zero = {};
+#pragma unroll
+	for (int d = 0; d < HAMI_MAX_DEVS; d++) {
+		struct hami_pkey pk = { .tgid = tgid, .device = d };
+		__u64 *held = pmem.lookup(&pk);
+		if (!held || !*held)
+			continue;
+		struct hami_gkey gk = { .group = g, .device = d };
+		struct hami_gmem *gm = grp_mem.lookup_or_try_init(&gk, &zero);
+		if (gm)
+			__sync_fetch_and_add(&gm->used, *held);
+	}
+	return g;
+}
+
+static __always_inline void charge(__u32 tgid, __u32 group, __s32 dev, __s64 delta,
+				   int group_too)
+{
+	struct hami_pkey pk = { .tgid = tgid, .device = dev };
+	__u64 zero64 = 0;
+	__u64 *held = pmem.lookup_or_try_init(&pk, &zero64);
+	if (held)
+		__sync_fetch_and_add(held, delta);
+	if (group_too && group != HAMI_GROUP_NONE) {
+		struct hami_gkey gk = { .group = group, .device = dev };
+		struct hami_gmem zero = {};
+		struct hami_gmem *gm = grp_mem.lookup_or_try_init(&gk, &zero);
+		if (gm)
+			__sync_fetch_and_add(&gm->used, delta);
+	}
+}
+
+/* ---- contexts ------------------------------------------------------------ */
+
+static __always_inline void ctx_stack_op(__u32 tid, int op, __u64 cu_ctx, __s32 dev)
+{
+	struct hami_tctx zero = {};
+	struct hami_tctx *t = cur_ctx.lookup_or_try_init(&tid, &zero);
+	if (!t) {
+		stat_inc(HAMI_STAT_CTX_FULL);
+		return;
+	}
+	__u32 d = t->depth;
+	if (op == 0) {             /* set: replace the top, NULL pops */
+		if (!cu_ctx) {
+			if (d > 0)
+				t->depth = d - 1;
+			return;
+		}
+		if (d == 0)
+			d = 1;
+		t->ctx[(d - 1) & (HAMI_CTX_DEPTH - 1)] = cu_ctx;
+		t->dev[(d - 1) & (HAMI_CTX_DEPTH - 1)] = dev;
+		t->depth = d;
+	} else if (op == 1) {      /* push */
+		if (d >= HAMI_CTX_DEPTH)
+			return;
+		t->ctx[d & (HAMI_CTX_DEPTH - 1)] = cu_ctx;
+		t->dev[d & (HAMI_CTX_DEPTH - 1)] = dev;
+		t->depth = d + 1;
+	} else if (op == 2) {      /* pop */
+		if (d > 0)
+			t->depth = d - 1;
+	} else if (op == 3) {      /* destroy: pop if it is the top */
+		if (d > 0 && t->ctx[(d - 1) & (HAMI_CTX_DEPTH - 1)] == cu_ctx)
+			t->depth = d - 1;
+	}
+}
+
+static __always_inline __s32 ctx_device(__u32 tgid, __u64 cu_ctx)
+{
+	struct hami_ckey k = { .tgid = tgid, .ctx = cu_ctx };
+	__s32 *d = ctx_dev.lookup(&k);
+	return d ? *d : -1;
+}
+
+static __always_inline void note_device(__u32 tgid, __s32 dev)
+{
+	struct hami_proc *p = get_proc(tgid);
+	if (p && dev >= 0)
+		p->last_dev = dev;
+}
+
+/* ---- admission ---------------------------------------------------------- */
+
+/*
+ * Refuse an allocation. Returns the action taken (HAMI_ACT_*). With
+ * stop-rewrite the process is stopped here and the controller makes the call
+ * return CUDA_ERROR_OUT_OF_MEMORY before resuming it.
+ */
+static __always_inline __u32 deny(struct pt_regs *ctx, struct hami_config *c)
+{
+	__u32 act = c ? c->oom_action : HAMI_ACT_OBSERVE;
+	switch (act) {
+	case HAMI_ACT_STOP_REWRITE:
+		if (!controller_alive(c)) {
+			stat_inc(HAMI_STAT_STALE_SKIPS);
+			return HAMI_ACT_NONE_STALE;
+		}
+		bpf_send_signal(19 /* SIGSTOP */);
+		stat_inc(HAMI_STAT_STOPS);
+		return act;
+	case HAMI_ACT_KILL:
+		bpf_send_signal(9 /* SIGKILL */);
+		return act;
+#ifdef HAMI_HAVE_REG_WRITE
+	case HAMI_ACT_RETURN_OOM: {
+		/* Return to the caller with CUDA_ERROR_OUT_OF_MEMORY; the driver
+		 * never runs. */
+		__u64 ret = 0;
+		if (bpf_probe_read_user(&ret, sizeof(ret), (void *)ctx->sp) != 0)
+			return HAMI_ACT_OBSERVE;
+		ctx->ip = ret;
+		ctx->sp += 8;
+		ctx->ax = 2;
+		return act;
+	}
+#endif
+	default:
+		return HAMI_ACT_OBSERVE;
+	}
+}
+
+/*
+ * Common entry of every allocation: reserve `size` on the group's device
+ * atomically, so two processes of one group can't both pass a check that only
+ * one fits. Returns 1 when the call was refused.
+ */
+static __always_inline int alloc_enter(struct pt_regs *ctx, __u32 fn, __u64 out, __u64 size,
+				       __s32 visible_dev, __u64 aux, __u64 aux2)
+{
+	__u64 id = bpf_get_current_pid_tgid();
+	__u32 tgid = id >> 32, tid = (__u32)id;
+	struct hami_proc *p = get_proc(tgid);
+	if (visible_dev < 0)
+		visible_dev = current_visible_device(tid, p);
+	__s32 dev = to_physical(tgid, visible_dev);
+	__u32 group = charged_group(tgid, p);
+
+	struct hami_call call = {
+		.out = out, .size = size, .aux = aux, .aux2 = aux2,
+		.fn = fn, .flags = 0, .group = group, .device = dev,
+	};
+	if (group == HAMI_GROUP_NONE)
+		call.flags |= HAMI_F_NOGROUP;
+
+	struct hami_config *c = get_config();
+	struct hami_gkey gk = { .group = group, .device = dev };
+	struct hami_glim *lim = group != HAMI_GROUP_NONE ? grp_lim.lookup(&gk) : 0;
+	if (group != HAMI_GROUP_NONE) {
+		struct hami_gmem zero = {};
+		struct hami_gmem *gm = grp_mem.lookup_or_try_init(&gk, &zero);
+		if (gm) {
+			__u64 before = __sync_fetch_and_add(&gm->used, size);
+			if (lim && c && (c->flags & HAMI_CFG_ENFORCE_MEM) &&
+			    lim->limit != HAMI_UNLIMITED && before + size > lim->limit) {
+				__u32 act = deny(ctx, c);
+				if (act != HAMI_ACT_OBSERVE && act != HAMI_ACT_NONE_STALE) {
+					__sync_fetch_and_add(&gm->used, -size);
+					__sync_fetch_and_add(&gm->denied, 1);
+					stat_inc(HAMI_STAT_DENIALS);
+					struct hami_event *e = new_event(HAMI_EV_DENY);
+					if (e) {
+						e->device = dev;
+						e->group = group;
+						e->size = size;
+						e->aux = act;
+						e->ptr = lim->limit;
+						e->alloc_kind = fn == HAMI_FN_CREATE ? HAMI_KIND_HANDLE : HAMI_KIND_PTR;
+						e->flags = act == HAMI_ACT_STOP_REWRITE ? HAMI_F_STOPPED : 0;
+						events.ringbuf_submit(e, 0);
+					}
+					/* The return probe (if the call ever returns through it)
+					 * must not report this call as an allocation. */
+					inflight.delete(&tid);
+					return 1;
+				}
+				/* observe, or nobody to resume a stop: let it through,
+				 * but say so. */
+				struct hami_event *e = new_event(HAMI_EV_DENY);
+				if (e) {
+					e->device = dev;
+					e->group = group;
+					e->size = size;
+					e->aux = act;
+					e->ptr = lim->limit;
+					events.ringbuf_submit(e, 0);
+				}
+			}
+			call.flags |= HAMI_F_RESERVED;
+		}
+	}
+	if (inflight.update(&tid, &call) != 0) {
+		/* No return probe will settle it: don't keep the reservation. */
+		stat_inc(HAMI_STAT_INFLIGHT_FULL);
+		if (call.flags & HAMI_F_RESERVED) {
+			struct hami_gmem *gm = grp_mem.lookup(&gk);
+			if (gm)
+				__sync_fetch_and_add(&gm->used, -size);
+		}
+	}
+	return 0;
+}
+
+/* Common return of every allocation. */
+static __always_inline int alloc_return(struct pt_regs *ctx)
+{
+	__u64 id = bpf_get_current_pid_tgid();
+	__u32 tgid = id >> 32, tid = (__u32)id;
+	struct hami_call *c = inflight.lookup(&tid);
+	if (!c)
+		return 0;
+	struct hami_call call = *c;
+	inflight.delete(&tid);
+	if (call.fn != HAMI_FN_ALLOC && call.fn != HAMI_FN_PITCH && call.fn != HAMI_FN_CREATE)
+		return 0;
+
+	int rc = (int)PT_REGS_RC(ctx);
+	__u64 size = call.size;
+	__u64 ptr = 0;
+	if (rc == 0) {
+		bpf_probe_read_user(&ptr, sizeof(ptr), (void *)call.out);
+		if (call.fn == HAMI_FN_PITCH) {
+			__u64 pitch = 0;
+			bpf_probe_read_user(&pitch, sizeof(pitch), (void *)call.aux);
+			size = pitch * call.aux2;
+		}
+	}
+
+	struct hami_gkey gk = { .group = call.group, .device = call.device };
+	if (call.flags & HAMI_F_RESERVED) {
+		/* Settle the reservation: give it all back on failure, or the
+		 * difference when the driver padded (pitch). */
+		__s64 delta = rc == 0 ? (__s64)(size - call.size) : -(__s64)call.size;
+		if (delta) {
+			struct hami_gmem *gm = grp_mem.lookup(&gk);
+			if (gm)
+				__sync_fetch_and_add(&gm->used, delta);
+		}
+	}
+
+	struct hami_event *e = new_event(rc == 0 ? HAMI_EV_ALLOC : HAMI_EV_ALLOC_FAIL);
+	if (rc == 0) {
+		__u32 kind = call.fn == HAMI_FN_CREATE ? HAMI_KIND_HANDLE : HAMI_KIND_PTR;
+		struct hami_akey ak = { .tgid = tgid, .kind = kind, .ptr = ptr };
+		struct hami_alloc rec = { .size = size, .device = call.device };
+		if (allocs.update(&ak, &rec) != 0)
+			stat_inc(HAMI_STAT_ALLOCS_FULL);
+		charge(tgid, call.group, call.device, size, 0);
+		/* Admitted without a group, but the process was adopted meanwhile:
+		 * the group must see these bytes too. */
+		if (!(call.flags & HAMI_F_RESERVED)) {
+			struct hami_proc *p = procs.lookup(&tgid);
+			__u32 g = p ? (__u32)p->charged : HAMI_GROUP_NONE;
+			if (g != HAMI_GROUP_NONE) {
+				struct hami_gkey gk2 = { .group = g, .device = call.device };
+				struct hami_gmem zero = {};
+				struct hami_gmem *gm = grp_mem.lookup_or_try_init(&gk2, &zero);
+				if (gm)
+					__sync_fetch_and_add(&gm->used, size);
+			}
+		}
+		if (e)
+			e->alloc_kind = kind;
+	}
+	if (e) {
+		e->rc = rc;
+		e->device = call.device;
+		e->group = call.group;
+		e->size = size;
+		e->ptr = ptr;
+		e->flags = call.flags;
+		events.ringbuf_submit(e, 0);
+	}
+	return 0;
+}
+
+static __always_inline int free_enter(struct pt_regs *ctx, __u32 kind, __u64 ptr)
+{
+	__u64 id = bpf_get_current_pid_tgid();
+	__u32 tgid = id >> 32;
+	if (!ptr)
+		return 0;
+	struct hami_proc *p = get_proc(tgid);
+	__u32 group = charged_group(tgid, p);
+	struct hami_akey ak = { .tgid = tgid, .kind = kind, .ptr = ptr };
+	struct hami_alloc *rec = allocs.lookup(&ak);
+	struct hami_event *e = new_event(HAMI_EV_FREE);
+	if (rec) {
+		__u64 size = rec->size;
+		__s32 dev = rec->device;
+		allocs.delete(&ak);
+		charge(tgid, group, dev, -(__s64)size, 1);
+		if (e) {
+			e->size = size;
+			e->device = dev;
+		}
+	}
+	if (e) {
+		e->alloc_kind = kind;
+		e->ptr = ptr;
+		e->group = group;
+		events.ringbuf_submit(e, 0);
+	}
+	return 0;
+}
+
+
+/* ---- registration ------------------------------------------------------- */
+
+int uprobe__cuInit(struct pt_regs *ctx)
+{
+	__u32 tgid = bpf_get_current_pid_tgid() >> 32;
+	get_proc(tgid);
+	struct hami_event *e = new_event(HAMI_EV_INIT);
+	if (e)
+		events.ringbuf_submit(e, 0);
+	return 0;
+}
+
+/* ---- contexts and devices ----------------------------------------------- */
+
+/* cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) */
+int uprobe__cuDevicePrimaryCtxRetain(struct pt_regs *ctx)
+{
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
+	struct hami_call call = { .out = PT_REGS_PARM1(ctx), .fn = HAMI_FN_CTXRETAIN,
+				  .device = (__s32)PT_REGS_PARM2(ctx) };
+	inflight.update(&tid, &call);
+	return 0;
+}
+
+/* cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev) */
+int uprobe__cuCtxCreate_v2(struct pt_regs *ctx)
+{
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
+	struct hami_call call = { .out = PT_REGS_PARM1(ctx), .fn = HAMI_FN_CTXCREATE,
+				  .device = (__s32)PT_REGS_PARM3(ctx) };
+	inflight.update(&tid, &call);
+	return 0;
+}
+
+/* cuCtxCreate_v3(CUcontext *pctx, CUexecAffinityParam *p, int n, unsigned int flags, CUdevice dev) */
+int uprobe__cuCtxCreate_v3(struct pt_regs *ctx)
+{
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
+	struct hami_call call = { .out = PT_REGS_PARM1(ctx), .fn = HAMI_FN_CTXCREATE,
+				  .device = (__s32)PT_REGS_PARM5(ctx) };
+	inflight.update(&tid, &call);
+	return 0;
+}
+
+/* cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *p, unsigned int flags, CUdevice dev) */
+int uprobe__cuCtxCreate_v4(struct pt_regs *ctx)
+{
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
+	struct hami_call call = { .out = PT_REGS_PARM1(ctx), .fn = HAMI_FN_CTXCREATE,
+				  .device = (__s32)PT_REGS_PARM4(ctx) };
+	inflight.update(&tid, &call);
+	return 0;
+}
+
+/* Return of cuDevicePrimaryCtxRetain and cuCtxCreate_*: learn ctx -> device;
+ * creation also makes the context current. */
+int uretprobe__ctx_return(struct pt_regs *ctx)
+{
+	__u64 id = bpf_get_current_pid_tgid();
+	__u32 tgid = id >> 32, tid = (__u32)id;
+	struct hami_call *c = inflight.lookup(&tid);
+	if (!c)
+		return 0;
+	struct hami_call call = *c;
+	inflight.delete(&tid);
+	if ((call.fn != HAMI_FN_CTXRETAIN && call.fn != HAMI_FN_CTXCREATE) || PT_REGS_RC(ctx) != 0)
+		return 0;
+	__u64 cu_ctx = 0;
+	bpf_probe_read_user(&cu_ctx, sizeof(cu_ctx), (void *)call.out);
+	struct hami_ckey k = { .tgid = tgid, .ctx = cu_ctx };
+	__s32 dev = call.device;
+	if (ctx_dev.update(&k, &dev) != 0)
+		stat_inc(HAMI_STAT_CTX_FULL);
+	if (call.fn == HAMI_FN_CTXCREATE) {
+		ctx_stack_op(tid, 1, cu_ctx, dev);
+		note_device(tgid, dev);
+	}
+	return 0;
+}
+
+/* cuCtxSetCurrent(CUcontext ctx) */
+int uprobe__cuCtxSetCurrent(struct pt_regs *ctx)
+{
+	__u64 id = bpf_get_current_pid_tgid();
+	__u32 tgid = id >> 32, tid = (__u32)id;
+	__u64 cu_ctx = PT_REGS_PARM1(ctx);
+	__s32 dev = cu_ctx ? ctx_device(tgid, cu_ctx) : -1;
+	ctx_stack_op(tid, 0, cu_ctx, dev);
+	note_device(tgid, dev);
+	return 0;
+}
+
+/* cuCtxPushCurrent_v2(CUcontext ctx) */
+int uprobe__cuCtxPushCurrent_v2(struct pt_regs *ctx)
+{
+	__u64 id = bpf_get_current_pid_tgid();
+	__u32 tgid = id >> 32, tid = (__u32)id;
+	__u64 cu_ctx = PT_REGS_PARM1(ctx);
+	__s32 dev = ctx_device(tgid, cu_ctx);
+	ctx_stack_op(tid, 1, cu_ctx, dev);
+	note_device(tgid, dev);
+	return 0;
+}
+
+/* cuCtxPopCurrent_v2(CUcontext *pctx) */
+int uprobe__cuCtxPopCurrent_v2(struct pt_regs *ctx)
+{
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
+	ctx_stack_op(tid, 2, 0, -1);
+	return 0;
+}
+
+/* cuCtxDestroy_v2(CUcontext ctx) */
+int uprobe__cuCtxDestroy_v2(struct pt_regs *ctx)
+{
+	__u64 id = bpf_get_current_pid_tgid();
+	__u32 tgid = id >> 32, tid = (__u32)id;
+	__u64 cu_ctx = PT_REGS_PARM1(ctx);
+	struct hami_ckey k = { .tgid = tgid, .ctx = cu_ctx };
+	ctx_dev.delete(&k);
+	ctx_stack_op(tid, 3, cu_ctx, -1);
+	return 0;
+}
+
+/* ---- allocation --------------------------------------------------------- */
+
+/* cuMemAlloc_v2(CUdeviceptr *dptr, size_t size), and with the same first two
+ * arguments: cuMemAllocManaged, cuMemAllocAsync[_ptsz],
+ * cuMemAllocFromPoolAsync[_ptsz]. */
+int uprobe__cuMemAlloc_v2(struct pt_regs *ctx)
+{
+	alloc_enter(ctx, HAMI_FN_ALLOC, PT_REGS_PARM1(ctx), PT_REGS_PARM2(ctx), -1, 0, 0);
+	return 0;
+}
+
+/* cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t width, size_t height, unsigned elem) */
+int uprobe__cuMemAllocPitch_v2(struct pt_regs *ctx)
+{
+	__u64 width = PT_REGS_PARM3(ctx), height = PT_REGS_PARM4(ctx);
+	alloc_enter(ctx, HAMI_FN_PITCH, PT_REGS_PARM1(ctx), width * height, -1,
+		    PT_REGS_PARM2(ctx), height);
+	return 0;
+}
+
+/* cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
+ *             const CUmemAllocationProp *prop, unsigned long long flags):
+ * the device is prop->location.id, at offset 12. */
+int uprobe__cuMemCreate(struct pt_regs *ctx)
+{
+	__s32 dev = -1;
+	__u64 prop = PT_REGS_PARM3(ctx);
+	if (prop)
+		bpf_probe_read_user(&dev, sizeof(dev), (void *)(prop + 12));
+	alloc_enter(ctx, HAMI_FN_CREATE, PT_REGS_PARM1(ctx), PT_REGS_PARM2(ctx), dev, 0, 0);
+	return 0;
+}
+
+int uretprobe__alloc_return(struct pt_regs *ctx)
+{
+	return alloc_return(ctx);
+}
+
+/* cuMemFree_v2(CUdeviceptr), cuMemFreeAsync[_ptsz](CUdeviceptr, CUstream) */
+int uprobe__cuMemFree_v2(struct pt_regs *ctx)
+{
+	return free_enter(ctx, HAMI_KIND_PTR, PT_REGS_PARM1(ctx));
+}
+
+/* cuMemRelease(CUmemGenericAllocationHandle) */
+int uprobe__cuMemRelease(struct pt_regs *ctx)
+{
+	return free_enter(ctx, HAMI_KIND_HANDLE, PT_REGS_PARM1(ctx));
+}
+
+/* ---- memory information ------------------------------------------------- */
+
+/* cuMemGetInfo_v2(size_t *free, size_t *total) */
+int uprobe__cuMemGetInfo_v2(struct pt_regs *ctx)
+{
+	__u64 id = bpf_get_current_pid_tgid();
+	__u32 tgid = id >> 32, tid = (__u32)id;
+	struct hami_proc *p = get_proc(tgid);
+	__s32 dev = to_physical(tgid, current_visible_device(tid, p));
+	struct hami_call call = { .out = PT_REGS_PARM1(ctx), .aux = PT_REGS_PARM2(ctx),
+				  .fn = HAMI_FN_MEMINFO, .device = dev,
+				  .group = charged_group(tgid, p) };
+	inflight.update(&tid, &call);
+	return 0;
+}
+
+/* cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev) */
+int uprobe__cuDeviceTotalMem_v2(struct pt_regs *ctx)
+{
+	__u64 id = bpf_get_current_pid_tgid();
+	__u32 tgid = id >> 32, tid = (__u32)id;
+	struct hami_proc *p = get_proc(tgid);
+	__s32 dev = to_physical(tgid, (__s32)PT_REGS_PARM2(ctx));
+	struct hami_call call = { .out = PT_REGS_PARM1(ctx), .fn = HAMI_FN_TOTALMEM,
+				  .device = dev, .group = charged_group(tgid, p) };
+	inflight.update(&tid, &call);
+	return 0;
+}
+
+/*
+ * Return of cuMemGetInfo_v2 / cuDeviceTotalMem_v2: where the group has a
+ * limit on the device, the caller must see the limit as total and
+ * limit - group usage as free.
+ */
+int uretprobe__meminfo_return(struct pt_regs *ctx)
+{
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
+	struct hami_call *c = inflight.lookup(&tid);
+	if (!c)
+		return 0;
+	struct hami_call call = *c;
+	inflight.delete(&tid);
+	if ((call.fn != HAMI_FN_MEMINFO && call.fn != HAMI_FN_TOTALMEM) || PT_REGS_RC(ctx) != 0)
+		return 0;
+	struct hami_config *cfg = get_config();
+	if (!cfg || !(cfg->flags & HAMI_CFG_VIRT_MEMINFO) || call.group == HAMI_GROUP_NONE)
+		return 0;
+	struct hami_gkey gk = { .group = call.group, .device = call.device };
+	struct hami_glim *lim = grp_lim.lookup(&gk);
+	if (!lim || !lim->total)
+		return 0;
+#ifdef HAMI_HAVE_PROBE_WRITE_USER
+	{
+		__u64 total = lim->total, used = 0, real_free = 0;
+		struct hami_gmem *gm = grp_mem.lookup(&gk);
+		if (gm)
+			used = gm->used;
+		__u64 free = used < total ? total - used : 0;
+		if (call.fn == HAMI_FN_MEMINFO) {
+			bpf_probe_read_user(&real_free, sizeof(real_free), (void *)call.out);
+			if (real_free < free)
+				free = real_free;
+			bpf_probe_write_user((void *)call.out, &free, sizeof(free));
+			bpf_probe_write_user((void *)call.aux, &total, sizeof(total));
+		} else {
+			bpf_probe_write_user((void *)call.out, &total, sizeof(total));
+		}
+		return 0;
+	}
+#endif
+	if (!controller_alive(cfg)) {
+		stat_inc(HAMI_STAT_STALE_SKIPS);
+		return 0;
+	}
+	bpf_send_signal(19 /* SIGSTOP */);
+	stat_inc(HAMI_STAT_STOPS);
+	struct hami_event *e = new_event(call.fn == HAMI_FN_MEMINFO ? HAMI_EV_MEMINFO : HAMI_EV_TOTALMEM);
+	if (e) {
+		e->device = call.device;
+		e->group = call.group;
+		e->ptr = call.out;
+		e->aux = call.aux;
+		e->flags = HAMI_F_STOPPED;
+		events.ringbuf_submit(e, 0);
+	}
+	return 0;
+}
+
+/* ---- launches (attached only on demand) ------------------------------- */
+
+/* cuLaunchKernel, cuLaunchKernelEx, cuLaunchCooperativeKernel, cuGraphLaunch
+ * and their _ptsz twins. */
+int uprobe__launch(struct pt_regs *ctx)
+{
+	__u32 tgid = bpf_get_current_pid_tgid() >> 32;
+	__u64 one = 1;
+	__u64 *n = launches.lookup(&tgid);
+	if (n)
+		__sync_fetch_and_add(n, 1);
+	else
+		launches.update(&tgid, &one);
+	return 0;
+}
+
+/* ---- exits ---------------------------------------------------------------- */
+
+/*
+ * Every exiting thread gives back a reservation whose return probe will never
+ * run, and drops its context stack. A thread-group leader we know (it is in
+ * `procs`, so it called into libcuda) also gives back the bytes it held and is
+ * reported, so the controller compacts its group at once. Kernel threads and
+ * processes that never touched libcuda are not in `procs`: no event.
+ * Attached by bcc from its name; the tracepoint's arguments are not needed.
+ */
+int tracepoint__sched__sched_process_exit(void *args)
+{
+	__u64 id = bpf_get_current_pid_tgid();
+	__u32 tgid = id >> 32, tid = (__u32)id;
+
+	struct hami_call *c = inflight.lookup(&tid);
+	if (c) {
+		if (c->flags & HAMI_F_RESERVED) {
+			struct hami_gkey gk = { .group = c->group, .device = c->device };
+			struct hami_gmem *gm = grp_mem.lookup(&gk);
+			if (gm)
+				__sync_fetch_and_add(&gm->used, -c->size);
+		}
+		inflight.delete(&tid);
+	}
+	cur_ctx.delete(&tid);
+
+	if (tid != tgid)
+		return 0;
+	struct hami_proc *p = procs.lookup(&tgid);
+	if (!p)
+		return 0;
+	__u32 group = (__u32)p->charged;
+#pragma unroll
+	for (int d = 0; d < HAMI_MAX_DEVS; d++) {
+		struct hami_pkey pk = { .tgid = tgid, .device = d };
+		__u64 *held = pmem.lookup(&pk);
+		if (!held)
+			continue;
+		if (group != HAMI_GROUP_NONE && *held) {
+			struct hami_gkey gk = { .group = group, .device = d };
+			struct hami_gmem *gm = grp_mem.lookup(&gk);
+			if (gm)
+				__sync_fetch_and_add(&gm->used, -*held);
+		}
+		pmem.delete(&pk);
+	}
+	procs.delete(&tgid);
+	proc_cfg.delete(&tgid);
+	launches.delete(&tgid);
+
+	struct hami_event *e = new_event(HAMI_EV_EXIT);
+	if (e) {
+		e->group = group;
+		events.ringbuf_submit(e, 0);
+	}
+	return 0;
+}

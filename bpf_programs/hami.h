@@ -1,0 +1,178 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * hami.h: the ABI between the BPF programs and the Python controller.
+ *
+ * Every struct here has fixed-width fields and explicit padding; it is
+ * mirrored once, in hami_bpf/abi.py, and a test compares the two layouts.
+ * Change both together and bump HAMI_ABI_VERSION.
+ *
+ * No kernel struct is read anywhere (the kernel headers bcc compiles against
+ * may not match the running kernel): only helpers, probe registers, user
+ * memory and tracepoint arguments.
+ */
+#ifndef HAMI_H
+#define HAMI_H
+
+#define HAMI_ABI_VERSION 1
+
+/* Event kinds sent through the ring buffer. */
+#define HAMI_EV_INIT        1  /* cuInit entered: a process uses CUDA */
+#define HAMI_EV_ALLOC       2  /* an allocation returned CUDA_SUCCESS */
+#define HAMI_EV_ALLOC_FAIL  3  /* an allocation returned an error (rc set) */
+#define HAMI_EV_FREE        4  /* a free entered; size/device from our record, 0 if unknown */
+#define HAMI_EV_DENY        5  /* admission refused an allocation; aux = action taken */
+#define HAMI_EV_EXIT        6  /* a thread-group leader we know exited */
+#define HAMI_EV_MEMINFO     7  /* cuMemGetInfo_v2 returned; ptr = free*, aux = total*; the process is stopped when flags has HAMI_F_STOPPED */
+#define HAMI_EV_TOTALMEM    8  /* cuDeviceTotalMem_v2 returned; ptr = bytes*, stopped as above */
+#define HAMI_EV_CTX         9  /* a context was bound to a device (informational) */
+
+/* Allocation kinds: a device pointer and a cuMemCreate handle are different
+ * name spaces in one process. */
+#define HAMI_KIND_PTR     0
+#define HAMI_KIND_HANDLE  1
+
+/* Event flags. */
+#define HAMI_F_STOPPED    (1u << 0) /* we sent SIGSTOP; the controller must resume */
+#define HAMI_F_RESERVED   (1u << 1) /* the size was charged to a group by admission */
+#define HAMI_F_NOGROUP    (1u << 2) /* the process had no group yet: not admitted against a limit */
+
+/* Deny actions (event aux for HAMI_EV_DENY), also the config's oom_action. */
+#define HAMI_ACT_OBSERVE      0
+#define HAMI_ACT_STOP_REWRITE 1
+#define HAMI_ACT_KILL         2
+#define HAMI_ACT_RETURN_OOM   3
+#define HAMI_ACT_NONE_STALE   4 /* would stop, but the controller's heartbeat is stale: allowed */
+
+/* Config flags. */
+#define HAMI_CFG_ENFORCE_MEM  (1u << 0)
+#define HAMI_CFG_VIRT_MEMINFO (1u << 1)
+
+#define HAMI_GROUP_NONE 0xffffffffu
+#define HAMI_UNLIMITED  0xffffffffffffffffULL
+#define HAMI_CTX_DEPTH  8
+
+/* Per-CPU stats counters (index into the stats array). */
+#define HAMI_STAT_RB_DROPS        0 /* ring buffer full: event lost */
+#define HAMI_STAT_ALLOCS_FULL     1 /* allocs map full: a free will be unknown to BPF */
+#define HAMI_STAT_INFLIGHT_FULL   2
+#define HAMI_STAT_PROCS_FULL      3
+#define HAMI_STAT_DENIALS         4
+#define HAMI_STAT_STOPS           5 /* SIGSTOPs sent */
+#define HAMI_STAT_STALE_SKIPS     6 /* a stop was skipped: heartbeat stale */
+#define HAMI_STAT_CTX_FULL        7
+#define HAMI_STAT_MAX             8
+
+struct hami_event {
+	__u32 kind;
+	__u32 tgid;
+	__u32 tid;
+	__s32 device;    /* physical device ordinal (after CUDA_VISIBLE_DEVICES), -1 unknown */
+	__s32 rc;        /* CUresult, for return events */
+	__u32 flags;     /* HAMI_F_* */
+	__u32 group;     /* group index the BPF side charged, or HAMI_GROUP_NONE */
+	__u32 alloc_kind;/* HAMI_KIND_* */
+	__u64 ts_ns;     /* bpf_ktime_get_ns (CLOCK_MONOTONIC) */
+	__u64 size;
+	__u64 ptr;       /* device pointer, handle, or user address (meminfo) */
+	__u64 aux;
+	char comm[16];
+}; /* 88 bytes */
+
+#define HAMI_MAX_DEVS 16
+
+/* procs: key __u32 tgid. Owned by BPF (atomic fields). */
+struct hami_proc {
+	__u64 charged;   /* group this process's bytes are charged to; set once (64-bit: cmpxchg) */
+	__s32 last_dev;  /* the visible device a thread of this process last bound */
+	__u32 pad;
+};
+
+/* proc_cfg: key __u32 tgid. Owned by the controller (whole-value writes). */
+struct hami_pcfg {
+	__u32 group;     /* group index */
+	__u32 slot;      /* slot inside the group, always < proc_num */
+	__u8 phys[HAMI_MAX_DEVS]; /* visible ordinal -> physical ordinal (CUDA_VISIBLE_DEVICES) */
+};
+
+/* pmem: key (tgid, physical device) -> bytes the process holds there. */
+struct hami_pkey {
+	__u32 tgid;
+	__s32 device;
+};
+
+/* grp_mem: the group's charge on one device. */
+struct hami_gkey {
+	__u32 group;
+	__s32 device;
+};
+
+/* grp_mem value: changed only by BPF atomics. */
+struct hami_gmem {
+	__u64 used;      /* bytes charged to the group on the device */
+	__u64 denied;    /* refused allocations */
+};
+
+/* grp_lim value: written only by the controller. */
+struct hami_glim {
+	__u64 limit;     /* HAMI_UNLIMITED or bytes */
+	__u64 total;     /* what memory info reports as total (0: leave it alone) */
+};
+
+/* allocs: one live allocation of a process. */
+struct hami_akey {
+	__u32 tgid;
+	__u32 kind;
+	__u64 ptr;
+};
+
+struct hami_alloc {
+	__u64 size;
+	__s32 device;    /* physical */
+	__u32 pad;
+};
+
+/* inflight: an entry probe's arguments, until its return probe. key __u32 tid. */
+struct hami_call {
+	__u64 out;       /* user address of the result (CUdeviceptr*, handle*, CUcontext*, free*) */
+	__u64 size;      /* requested or reserved bytes */
+	__u64 aux;       /* call-specific: pPitch*, total* */
+	__u64 aux2;      /* call-specific: height */
+	__u32 fn;        /* HAMI_FN_* */
+	__u32 flags;     /* HAMI_F_* */
+	__u32 group;
+	__s32 device;
+};
+
+#define HAMI_FN_ALLOC     1
+#define HAMI_FN_PITCH     2
+#define HAMI_FN_CREATE    3
+#define HAMI_FN_CTXRETAIN 4
+#define HAMI_FN_CTXCREATE 5
+#define HAMI_FN_MEMINFO   6
+#define HAMI_FN_TOTALMEM  7
+#define HAMI_FN_CTXPOP    8
+
+/* ctx_dev: key (tgid, context pointer) -> device. */
+struct hami_ckey {
+	__u32 tgid;
+	__u32 pad;
+	__u64 ctx;
+};
+
+/* cur_ctx: key __u32 tid -> this thread's context stack, as devices. */
+struct hami_tctx {
+	__u64 ctx[HAMI_CTX_DEPTH];
+	__s32 dev[HAMI_CTX_DEPTH];
+	__u32 depth;
+	__u32 pad;
+};
+
+/* config: a single-entry array written by the controller. */
+struct hami_config {
+	__u64 heartbeat_ns;  /* controller's last CLOCK_MONOTONIC tick */
+	__u64 stale_ns;      /* a heartbeat older than this means: controller gone, stop nobody */
+	__u32 flags;         /* HAMI_CFG_* */
+	__u32 oom_action;    /* HAMI_ACT_* */
+};
+
+#endif /* HAMI_H */

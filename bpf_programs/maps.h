@@ -1,0 +1,87 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * maps.h: every map of hami-bpf, with who writes it, who reads it and how
+ * long an entry lives. Sizes come in as -D flags from hami_bpf/probes.py.
+ */
+#ifndef HAMI_MAPS_H
+#define HAMI_MAPS_H
+
+#ifndef HAMI_MAX_PROCS
+#define HAMI_MAX_PROCS 4096
+#endif
+#ifndef HAMI_MAX_ALLOCS
+#define HAMI_MAX_ALLOCS 262144
+#endif
+#ifndef HAMI_MAX_GROUPS
+#define HAMI_MAX_GROUPS 4096
+#endif
+#ifndef HAMI_RINGBUF_PAGES
+#define HAMI_RINGBUF_PAGES 256
+#endif
+
+/* events: every hami_event, in the order the probes reserved them.
+ * Writer: all programs. Reader: the controller's poll loop. Lost events are
+ * counted in stats[HAMI_STAT_RB_DROPS]; the controller's /proc reaper repairs
+ * a lost exit. */
+BPF_RINGBUF_OUTPUT(events, HAMI_RINGBUF_PAGES);
+
+/* procs: key __u32 tgid -> struct hami_proc. Owned by BPF.
+ * Created by the first libcuda probe a process hits (charged = NONE); the
+ * first probe after the controller assigned a group moves the process's bytes
+ * into it (cmpxchg on charged, so exactly once); deleted by the
+ * sched_process_exit program when the leader exits. Also the set of pids
+ * whose exit we report. */
+BPF_HASH(procs, __u32, struct hami_proc, HAMI_MAX_PROCS);
+
+/* proc_cfg: key __u32 tgid -> struct hami_pcfg. Owned by the controller:
+ * written at registration and whenever compaction moves the slot, deleted at
+ * release; the exit program deletes it too, so a reused pid starts clean. */
+BPF_HASH(proc_cfg, __u32, struct hami_pcfg, HAMI_MAX_PROCS);
+
+/* pmem: key hami_pkey (tgid, physical device) -> __u64 bytes held.
+ * Atomic adds/subs by the allocation and free probes; at the leader's exit
+ * the exit program subtracts it from the group and deletes it. */
+BPF_HASH(pmem, struct hami_pkey, __u64, HAMI_MAX_PROCS * 4);
+
+/* grp_mem: key hami_gkey (group index, physical device) -> hami_gmem.
+ * Created by the first charge (lookup-or-init), changed only by BPF atomics:
+ * admission at allocation entry, frees, adoption and the exit program.
+ * Deleted by the controller when it deletes the group. */
+BPF_HASH(grp_mem, struct hami_gkey, struct hami_gmem, HAMI_MAX_GROUPS * 8);
+
+/* grp_lim: key hami_gkey -> hami_glim. Written and deleted by the controller
+ * only (limits); read by admission and the memory-info probes. No entry:
+ * unlimited. */
+BPF_HASH(grp_lim, struct hami_gkey, struct hami_glim, HAMI_MAX_GROUPS * 8);
+
+/* allocs: key hami_akey (tgid, kind, pointer or handle) -> hami_alloc.
+ * Inserted by an allocation's return probe, deleted by the matching free.
+ * Records of exited processes are swept by the controller. */
+BPF_HASH(allocs, struct hami_akey, struct hami_alloc, HAMI_MAX_ALLOCS);
+
+/* inflight: key __u32 tid -> hami_call: arguments an entry probe saves for its
+ * return probe. Deleted by the return probe, or at the thread's exit (which
+ * also gives back a reservation whose return never came). */
+BPF_HASH(inflight, __u32, struct hami_call, 16384);
+
+/* ctx_dev: key hami_ckey (tgid, CUcontext) -> __s32 device. Written by the
+ * return probes of cuDevicePrimaryCtxRetain and cuCtxCreate*, deleted by
+ * cuCtxDestroy_v2; the controller sweeps exited processes. */
+BPF_HASH(ctx_dev, struct hami_ckey, __s32, 65536);
+
+/* cur_ctx: key __u32 tid -> hami_tctx: the thread's context stack, as
+ * devices. Written by cuCtxSetCurrent/Push/Pop/Create, deleted at thread exit. */
+BPF_HASH(cur_ctx, __u32, struct hami_tctx, 16384);
+
+/* launches: key __u32 tgid -> __u64 kernel launches. Incremented by the launch
+ * probes (attached only on demand), deleted at the leader's exit. */
+BPF_HASH(launches, __u32, __u64, HAMI_MAX_PROCS);
+
+/* config: one hami_config, written by the controller (heartbeat every tick). */
+BPF_ARRAY(config, struct hami_config, 1);
+
+/* stats: per-CPU counters HAMI_STAT_*, written by all programs, summed by the
+ * controller. */
+BPF_PERCPU_ARRAY(stats, __u64, HAMI_STAT_MAX);
+
+#endif /* HAMI_MAPS_H */
