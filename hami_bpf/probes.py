@@ -1,0 +1,391 @@
+"""The bcc boundary: the only module that imports bcc.
+
+Loads bpf_programs/hami.bpf.c, attaches and detaches probes, polls the ring
+buffer and reads and writes maps. Everything above it deals in abi structs and
+plain Python values.
+"""
+from __future__ import annotations
+
+import ctypes as ct
+import logging
+import os
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+from . import abi
+
+log = logging.getLogger("hami_bpf.probes")
+
+# symbol -> (entry program, return program or None). Twins share programs.
+CORE_PROBES: dict[str, tuple[str, str | None]] = {
+    "cuInit": ("uprobe__cuInit", None),
+    "cuDevicePrimaryCtxRetain": ("uprobe__cuDevicePrimaryCtxRetain", "uretprobe__ctx_return"),
+    "cuCtxCreate_v2": ("uprobe__cuCtxCreate_v2", "uretprobe__ctx_return"),
+    "cuCtxCreate_v3": ("uprobe__cuCtxCreate_v3", "uretprobe__ctx_return"),
+    "cuCtxCreate_v4": ("uprobe__cuCtxCreate_v4", "uretprobe__ctx_return"),
+    "cuCtxSetCurrent": ("uprobe__cuCtxSetCurrent", None),
+    "cuCtxPushCurrent_v2": ("uprobe__cuCtxPushCurrent_v2", None),
+    "cuCtxPopCurrent_v2": ("uprobe__cuCtxPopCurrent_v2", None),
+    "cuCtxDestroy_v2": ("uprobe__cuCtxDestroy_v2", None),
+    "cuMemAlloc_v2": ("uprobe__cuMemAlloc_v2", "uretprobe__alloc_return"),
+    "cuMemAllocManaged": ("uprobe__cuMemAlloc_v2", "uretprobe__alloc_return"),
+    "cuMemAllocAsync": ("uprobe__cuMemAlloc_v2", "uretprobe__alloc_return"),
+    "cuMemAllocAsync_ptsz": ("uprobe__cuMemAlloc_v2", "uretprobe__alloc_return"),
+    "cuMemAllocFromPoolAsync": ("uprobe__cuMemAlloc_v2", "uretprobe__alloc_return"),
+    "cuMemAllocFromPoolAsync_ptsz": ("uprobe__cuMemAlloc_v2", "uretprobe__alloc_return"),
+    "cuMemAllocPitch_v2": ("uprobe__cuMemAllocPitch_v2", "uretprobe__alloc_return"),
+    "cuMemCreate": ("uprobe__cuMemCreate", "uretprobe__alloc_return"),
+    "cuMemFree_v2": ("uprobe__cuMemFree_v2", None),
+    "cuMemFreeAsync": ("uprobe__cuMemFree_v2", None),
+    "cuMemFreeAsync_ptsz": ("uprobe__cuMemFree_v2", None),
+    "cuMemRelease": ("uprobe__cuMemRelease", None),
+    "cuMemGetInfo_v2": ("uprobe__cuMemGetInfo_v2", "uretprobe__meminfo_return"),
+    "cuDeviceTotalMem_v2": ("uprobe__cuDeviceTotalMem_v2", "uretprobe__meminfo_return"),
+}
+
+# Entry points whose denial is undone by stop-and-rewrite (their uprobe runs admission).
+ALLOC_SYMBOLS = tuple(s for s, (p, _) in CORE_PROBES.items()
+                      if p in ("uprobe__cuMemAlloc_v2", "uprobe__cuMemAllocPitch_v2", "uprobe__cuMemCreate"))
+
+LAUNCH_SYMBOLS = (
+    "cuLaunchKernel", "cuLaunchKernel_ptsz",
+    "cuLaunchKernelEx", "cuLaunchKernelEx_ptsz",
+    "cuLaunchCooperativeKernel", "cuLaunchCooperativeKernel_ptsz",
+    "cuGraphLaunch", "cuGraphLaunch_ptsz",
+)
+
+BPF_ANY, BPF_NOEXIST, BPF_EXIST = 0, 1, 2
+
+
+class ProbeError(RuntimeError):
+    """Loading or attaching failed; the message says what was being done."""
+
+
+def ensure_tracefs() -> None:
+    if os.path.isdir("/sys/kernel/tracing/events"):
+        return
+    try:
+        subprocess.run(["mount", "-t", "tracefs", "nodev", "/sys/kernel/tracing"],
+                       check=True, capture_output=True, text=True)
+    except (OSError, subprocess.CalledProcessError) as e:
+        err = getattr(e, "stderr", "") or str(e)
+        raise ProbeError(f"mounting tracefs at /sys/kernel/tracing: {err.strip()}") from e
+
+
+def _bcc():
+    try:
+        import bcc  # noqa: F401
+        from bcc import BPF
+    except ImportError as e:
+        raise ProbeError(
+            "importing bcc: %s (install the distribution's python3-bpfcc; "
+            "the PyPI package named 'bcc' is unrelated)" % e) from e
+    return BPF
+
+
+# --- start-up feature probes --------------------------------------------------
+
+_FEATURE_SOURCES = {
+    "ringbuf": r"""
+BPF_RINGBUF_OUTPUT(rb, 1);
+int probe(struct pt_regs *ctx) { u64 v = 1; rb.ringbuf_output(&v, sizeof(v), 0); return 0; }
+""",
+    "send_signal": r"""
+int probe(struct pt_regs *ctx) { if (ctx->ax == 12345) bpf_send_signal(19); return 0; }
+""",
+    "probe_write_user": r"""
+int probe(struct pt_regs *ctx) { u64 v = 0; if (ctx->ax == 12345) bpf_probe_write_user((void *)ctx->di, &v, sizeof(v)); return 0; }
+""",
+    "reg_write": r"""
+int probe(struct pt_regs *ctx) { if (ctx->ax == 12345) ctx->ax = 2; return 0; }
+""",
+    "atomics": r"""
+BPF_ARRAY(a, u64, 1);
+int probe(struct pt_regs *ctx) { int k = 0; u64 *v = a.lookup(&k); if (v) __sync_val_compare_and_swap(v, 0, 1); return 0; }
+""",
+}
+
+
+@dataclass(frozen=True)
+class Features:
+    ringbuf: bool
+    send_signal: bool
+    probe_write_user: bool
+    reg_write: bool
+    atomics: bool
+    errors: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return {k: getattr(self, k) for k in ("ringbuf", "send_signal", "probe_write_user",
+                                              "reg_write", "atomics")} | {"errors": dict(self.errors)}
+
+
+def _load_quietly(BPF, text: str) -> tuple[bool, str]:
+    """Compile and load one tiny program; the verifier's refusal is the answer."""
+    # The verifier log goes to fd 2 from C: silence it, keep the first line.
+    r, w = os.pipe()
+    saved = os.dup(2)
+    os.dup2(w, 2)
+    os.close(w)
+    ok, err = True, ""
+    try:
+        b = BPF(text="#include <uapi/linux/ptrace.h>\n" + text)
+        b.load_func("probe", BPF.KPROBE)
+        b.cleanup()
+    except Exception as e:  # bcc raises bare Exception
+        ok, err = False, str(e)
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.set_blocking(r, False)
+        try:
+            out = os.read(r, 65536).decode(errors="replace")
+        except BlockingIOError:
+            out = ""
+        os.close(r)
+    if not ok:
+        lines = [ln for ln in out.splitlines() if ln and not ln.startswith((";", " ")) and "insns" not in ln]
+        detail = next((ln for ln in lines if "invalid" in ln or "cannot" in ln or "unknown" in ln), "")
+        err = detail or (lines[-1] if lines else err)
+    return ok, err
+
+
+def probe_features() -> Features:
+    """Which BPF features this kernel allows a uprobe program, by loading tiny programs."""
+    BPF = _bcc()
+    ensure_tracefs()
+    res, errors = {}, {}
+    for name, src in _FEATURE_SOURCES.items():
+        ok, err = _load_quietly(BPF, src)
+        res[name] = ok
+        if not ok:
+            errors[name] = err
+    return Features(errors=errors, **res)
+
+
+# --- the loaded program -------------------------------------------------------
+
+@dataclass
+class Attached:
+    lib: str
+    core: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+    launch: list[str] = field(default_factory=list)
+
+
+class Probes:
+    """hami.bpf.c loaded once; attached to one or more libcuda files."""
+
+    def __init__(self, *, reg_write: bool = False, probe_write_user: bool = False,
+                 max_procs: int = 4096, ringbuf_pages: int = 256):
+        BPF = _bcc()
+        ensure_tracefs()
+        d = abi.bpf_dir()
+        cflags = [f"-I{d}", f"-DHAMI_MAX_PROCS={max_procs}", f"-DHAMI_RINGBUF_PAGES={ringbuf_pages}",
+                  "-Wno-macro-redefined"]
+        if reg_write:
+            cflags.append("-DHAMI_HAVE_REG_WRITE=1")
+        if probe_write_user:
+            cflags.append("-DHAMI_HAVE_PROBE_WRITE_USER=1")
+        src = d / "hami.bpf.c"
+        try:
+            self.bpf = BPF(src_file=str(src).encode(), cflags=cflags)
+        except Exception as e:
+            raise ProbeError(f"loading {src}: {e}") from e
+        self._BPF = BPF
+        self.attached: dict[str, Attached] = {}
+        self._handler: Callable[[abi.Event], None] | None = None
+        self.map = {name: self.bpf[name] for name in (
+            "procs", "proc_cfg", "pmem", "grp_mem", "grp_lim", "allocs", "inflight",
+            "ctx_dev", "cur_ctx", "launches", "config", "stats")}
+
+    # attach / detach
+
+    def attach_core(self, lib: str, symbols: Iterable[str] | None = None) -> Attached:
+        """Attach every core probe whose symbol the library exports; skip the rest with a reason."""
+        present = set(symbols) if symbols is not None else None
+        a = self.attached.setdefault(lib, Attached(lib))
+        for sym, (entry, ret) in CORE_PROBES.items():
+            if present is not None and sym not in present:
+                a.skipped[sym] = "not exported by this libcuda"
+                continue
+            try:
+                self.bpf.attach_uprobe(name=lib.encode(), sym=sym.encode(), fn_name=entry.encode())
+                if ret:
+                    self.bpf.attach_uretprobe(name=lib.encode(), sym=sym.encode(), fn_name=ret.encode())
+            except Exception as e:
+                a.skipped[sym] = f"attaching uprobe {sym} to {lib}: {e}"
+                log.info("skipping %s in %s: %s", sym, lib, e)
+                continue
+            a.core.append(sym)
+        if "cuMemAlloc_v2" not in a.core:
+            raise ProbeError(f"attaching uprobe cuMemAlloc_v2 to {lib}: "
+                             f"{a.skipped.get('cuMemAlloc_v2', 'failed')}")
+        return a
+
+    def attach_launch(self, lib: str, symbols: Iterable[str] | None = None) -> list[str]:
+        a = self.attached.setdefault(lib, Attached(lib))
+        present = set(symbols) if symbols is not None else None
+        for sym in LAUNCH_SYMBOLS:
+            if sym in a.launch or (present is not None and sym not in present):
+                continue
+            try:
+                self.bpf.attach_uprobe(name=lib.encode(), sym=sym.encode(), fn_name=b"uprobe__launch")
+                a.launch.append(sym)
+            except Exception as e:
+                log.info("skipping launch probe %s in %s: %s", sym, lib, e)
+        return list(a.launch)
+
+    def detach_launch(self, lib: str) -> None:
+        a = self.attached.get(lib)
+        if not a:
+            return
+        for sym in list(a.launch):
+            try:
+                self.bpf.detach_uprobe(name=lib.encode(), sym=sym.encode())
+            except Exception as e:
+                log.warning("detaching uprobe %s from %s: %s", sym, lib, e)
+            a.launch.remove(sym)
+
+    def launch_probes_attached(self) -> int:
+        return sum(len(a.launch) for a in self.attached.values())
+
+    # events
+
+    def open_events(self, handler: Callable[[abi.Event], None]) -> None:
+        self._handler = handler
+
+        def _cb(ctx, data, size):
+            handler(abi.decode(data))
+            return 0
+
+        self._cb = _cb  # keep a reference: bcc holds only a C pointer
+        self.bpf["events"].open_ring_buffer(_cb)
+
+    def poll(self, timeout_ms: int) -> None:
+        self.bpf.ring_buffer_poll(timeout_ms)
+
+    def consume(self) -> None:
+        self.bpf.ring_buffer_consume()
+
+    # maps written by the controller
+
+    def _update(self, name: str, key, value, flags: int) -> bool:
+        t = self.map[name]
+        rc = self._lib().bpf_update_elem(t.map_fd, ct.byref(key), ct.byref(value), flags)
+        return rc == 0
+
+    @staticmethod
+    def _lib():
+        from bcc import libbcc
+        return libbcc.lib
+
+    def write_proc_cfg(self, pid: int, group_index: int, slot: int, phys: list[int] | None,
+                       must_exist: bool) -> bool:
+        """proc_cfg[pid] := (group, slot, visible->physical). must_exist: never resurrect a pid
+        whose exit the BPF side already handled."""
+        v = abi.ProcCfg(group=group_index, slot=slot)
+        for i in range(abi.MAX_DEVS):
+            v.phys[i] = phys[i] if phys and i < len(phys) else i
+        return self._update("proc_cfg", ct.c_uint32(pid), v, BPF_EXIST if must_exist else BPF_ANY)
+
+    def read_proc_cfg(self, pid: int) -> abi.ProcCfg | None:
+        t = self.map["proc_cfg"]
+        try:
+            v = t[t.Key(pid)]
+        except KeyError:
+            return None
+        return abi.ProcCfg.from_buffer_copy(bytes(v))
+
+    def delete_proc_cfg(self, pid: int) -> None:
+        t = self.map["proc_cfg"]
+        try:
+            del t[t.Key(pid)]
+        except KeyError:
+            pass
+
+    def set_group_limit(self, group_index: int, device: int, limit: int | None,
+                        total: int | None) -> None:
+        key = abi.GKey(group=group_index, device=device)
+        if limit is None and not total:
+            t = self.map["grp_lim"]
+            try:
+                del t[t.Key(group=group_index, device=device)]
+            except KeyError:
+                pass
+            return
+        v = abi.GLim(limit=abi.UNLIMITED if limit is None else limit, total=total or 0)
+        self._update("grp_lim", key, v, BPF_ANY)
+
+    def delete_group(self, group_index: int) -> None:
+        for name in ("grp_lim", "grp_mem"):
+            t = self.map[name]
+            for k in [k for k in t.keys() if k.group == group_index]:
+                try:
+                    del t[k]
+                except KeyError:
+                    pass
+
+    def group_mem(self) -> dict[tuple[int, int], tuple[int, int]]:
+        """(group index, device) -> (used, denied) as the BPF side counts them."""
+        return {(k.group, k.device): (v.used, v.denied) for k, v in self.map["grp_mem"].items()}
+
+    def process_mem(self) -> dict[tuple[int, int], int]:
+        return {(k.tgid, k.device): v.value for k, v in self.map["pmem"].items()}
+
+    def set_config(self, *, flags: int, oom_action: int, stale_ns: int) -> None:
+        t = self.map["config"]
+        v = t[ct.c_int(0)]
+        v.flags, v.oom_action, v.stale_ns = flags, oom_action, stale_ns
+        t[ct.c_int(0)] = v
+
+    def heartbeat(self) -> None:
+        t = self.map["config"]
+        v = t[ct.c_int(0)]
+        v.heartbeat_ns = time.monotonic_ns()
+        t[ct.c_int(0)] = v
+
+    def stop_heartbeat(self) -> None:
+        """Tell the BPF side nobody will resume a stop from now on."""
+        t = self.map["config"]
+        v = t[ct.c_int(0)]
+        v.heartbeat_ns = 0
+        t[ct.c_int(0)] = v
+
+    def stats(self) -> dict[str, int]:
+        t = self.map["stats"]
+        out = {}
+        for idx, name in abi.STAT_NAMES.items():
+            out[name] = int(sum(t[ct.c_int(idx)]))
+        return out
+
+    def launches(self) -> dict[int, int]:
+        return {k.value: v.value for k, v in self.map["launches"].items()}
+
+    def bpf_procs(self) -> set[int]:
+        return {k.value for k in self.map["procs"].keys()}
+
+    def sweep(self, live: set[int]) -> int:
+        """Delete records the exit program can't reach (allocations, contexts) of dead processes."""
+        n = 0
+        for name, get in (("allocs", lambda k: k.tgid), ("ctx_dev", lambda k: k.tgid),
+                          ("pmem", lambda k: k.tgid)):
+            t = self.map[name]
+            dead = [k for k in t.keys() if get(k) not in live]
+            for k in dead:
+                try:
+                    del t[k]
+                    n += 1
+                except KeyError:
+                    pass
+        return n
+
+    def close(self) -> None:
+        try:
+            self.stop_heartbeat()
+        except Exception:
+            pass
+        self.bpf.cleanup()
