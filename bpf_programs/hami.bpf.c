@@ -294,7 +294,9 @@ static __always_inline int alloc_enter(struct pt_regs *ctx, __u32 fn, __u64 out,
 						e->group = group;
 						e->size = size;
 						e->aux = act;
-						e->ptr = lim->limit;
+						/* The probed entry: where stop-and-rewrite expects
+						 * the stopped thread (entry + the emulated push). */
+						e->ptr = PT_REGS_IP(ctx);
 						e->alloc_kind = fn == HAMI_FN_CREATE ? HAMI_KIND_HANDLE : HAMI_KIND_PTR;
 						e->flags = act == HAMI_ACT_STOP_REWRITE ? HAMI_F_STOPPED : 0;
 						events.ringbuf_submit(e, 0);
@@ -312,7 +314,7 @@ static __always_inline int alloc_enter(struct pt_regs *ctx, __u32 fn, __u64 out,
 					e->group = group;
 					e->size = size;
 					e->aux = act;
-					e->ptr = lim->limit;
+					e->ptr = PT_REGS_IP(ctx);
 					events.ringbuf_submit(e, 0);
 				}
 			}

@@ -20,7 +20,7 @@
 #define HAMI_EV_ALLOC       2  /* an allocation returned CUDA_SUCCESS */
 #define HAMI_EV_ALLOC_FAIL  3  /* an allocation returned an error (rc set) */
 #define HAMI_EV_FREE        4  /* a free entered; size/device from our record, 0 if unknown */
-#define HAMI_EV_DENY        5  /* admission refused an allocation; aux = action taken */
+#define HAMI_EV_DENY        5  /* admission refused an allocation; aux = action taken, ptr = probed entry */
 #define HAMI_EV_EXIT        6  /* a thread-group leader we know exited */
 #define HAMI_EV_MEMINFO     7  /* cuMemGetInfo_v2 returned; ptr = free*, aux = total*; the process is stopped when flags has HAMI_F_STOPPED */
 #define HAMI_EV_TOTALMEM    8  /* cuDeviceTotalMem_v2 returned; ptr = bytes*, stopped as above */

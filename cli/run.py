@@ -1,0 +1,89 @@
+"""`hami-bpf run`: validate options, build a DaemonConfig, hand over to the daemon."""
+from __future__ import annotations
+
+import os
+
+import click
+
+from hami_bpf.config import (DEFAULT_SOCKET, DEFAULT_STATE_DIR, OOM_ACTIONS, DaemonConfig,
+                             parse_group_by, parse_host_port)
+
+from .common import CliError
+
+
+class GroupByType(click.ParamType):
+    name = "cgroup|env:NAME|pid"
+
+    def convert(self, value, param, ctx):
+        try:
+            return parse_group_by(value)
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+
+
+class HostPortType(click.ParamType):
+    name = "HOST:PORT"
+
+    def convert(self, value, param, ctx):
+        try:
+            parse_host_port(value)
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+        return value
+
+
+class UnixGroupType(click.ParamType):
+    name = "GROUP"
+
+    def convert(self, value, param, ctx):
+        import grp
+        try:
+            grp.getgrnam(value)
+        except KeyError:
+            if not value.isdigit():
+                self.fail(f"no such group {value!r}", param, ctx)
+        return value
+
+
+@click.command()
+@click.option("--libcuda", multiple=True, metavar="PATH",
+              type=click.Path(exists=True, dir_okay=False),
+              help="libcuda.so to probe (repeatable; default: discover).")
+@click.option("--group-by", type=GroupByType(), default="cgroup", show_default=True,
+              metavar="cgroup|env:NAME|pid",
+              help="How processes share a slot table: by cgroup (container), by an "
+                   "environment variable's value, or one group per pid.")
+@click.option("--socket", "socket_path", default=DEFAULT_SOCKET, show_default=True,
+              metavar="PATH", help="Control socket to create.")
+@click.option("--count-launches", is_flag=True, help="Count kernel launches per process.")
+@click.option("--policy", type=click.Path(exists=True, dir_okay=False), metavar="FILE",
+              help="Policy file with per-group limits.")
+@click.option("--no-env-limits", "env_limits", is_flag=True, flag_value=False, default=True,
+              help="Ignore CUDA_DEVICE_MEMORY_LIMIT & co. in processes' environments.")
+@click.option("--oom-action", type=click.Choice(OOM_ACTIONS), default="auto", show_default=True,
+              help="What to do with an allocation over the limit.")
+@click.option("--metrics-addr", type=HostPortType(), default=None,
+              help="Serve Prometheus metrics on HOST:PORT.")
+@click.option("--socket-group", type=UnixGroupType(), default=None,
+              help="Let this group use the control socket (mode 0660).")
+@click.option("--demo/--no-demo", default=None,
+              help="Use the simulated driver [default: only when no libcuda is found].")
+@click.option("--state-dir", default=DEFAULT_STATE_DIR, show_default=True, metavar="DIR",
+              type=click.Path(file_okay=False), help="Where runtime state lives.")
+@click.option("-v", "--verbose", is_flag=True, help="Log debug details.")
+def run(libcuda, group_by, socket_path, count_launches, policy, env_limits, oom_action,
+        metrics_addr, socket_group, demo, state_dir, verbose):
+    """Start the daemon: attach probes, keep the slot table, serve the socket."""
+    if os.geteuid() != 0:
+        raise CliError("run needs root (CAP_BPF, CAP_PERFMON)")
+    cfg = DaemonConfig(libcuda=tuple(libcuda), group_by=group_by, socket=socket_path,
+                       count_launches=count_launches, policy=policy, env_limits=env_limits,
+                       oom_action=oom_action, metrics_addr=metrics_addr,
+                       socket_group=socket_group, demo=demo, state_dir=state_dir,
+                       verbose=verbose)
+    # Imported here: the daemon pulls in bcc, which the other commands must not need.
+    from hami_bpf import daemon
+    try:
+        daemon.run(cfg)
+    except daemon.DaemonError as e:
+        raise CliError(" ".join(str(e).split())) from None

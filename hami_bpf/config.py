@@ -1,0 +1,68 @@
+"""Daemon configuration: one frozen value built by `hami-bpf run`.
+
+The parsers here are shared by the CLI (which turns ValueError into a one-line
+usage error) and by the daemon (which can trust a DaemonConfig it is given).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+DEFAULT_SOCKET = "/run/hami-bpf/hami-bpf.sock"
+DEFAULT_STATE_DIR = "/run/hami-bpf"
+
+GROUP_BY_FIXED = ("cgroup", "pid")
+OOM_ACTIONS = ("auto", "return-oom", "stop-rewrite", "kill", "observe")
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+
+
+def parse_group_by(value: str) -> str:
+    """'cgroup' | 'pid' | 'env:NAME' -> normalized string; ValueError otherwise."""
+    v = value.strip()
+    if v in GROUP_BY_FIXED:
+        return v
+    if v.startswith("env:"):
+        name = v[4:]
+        if _ENV_NAME.match(name):
+            return v
+        raise ValueError(f"{value!r}: env:NAME needs an environment variable name "
+                         "(letters, digits, underscore)")
+    raise ValueError(f"{value!r} is not one of cgroup, pid, env:NAME")
+
+
+def parse_host_port(value: str, allow_zero: bool = False) -> tuple[str, int]:
+    """'HOST:PORT', ':PORT' (all interfaces) or '[v6]:PORT' -> (host, port)."""
+    host, sep, port = value.rpartition(":")
+    low = 0 if allow_zero else 1
+    if not sep or not port.isdigit() or not low <= int(port) < 65536:
+        raise ValueError(f"{value!r} is not HOST:PORT (port 1-65535)")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        raise ValueError(f"{value!r}: write IPv6 addresses as [ADDR]:PORT")
+    return host or "0.0.0.0", int(port)
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    libcuda: tuple[str, ...] = ()        # explicit libcuda paths; () = discover
+    group_by: str = "cgroup"             # cgroup | pid | env:NAME
+    socket: str = DEFAULT_SOCKET
+    count_launches: bool = False
+    policy: str | None = None            # policy file path
+    env_limits: bool = True              # honor CUDA_DEVICE_MEMORY_LIMIT & co. in processes' env
+    oom_action: str = "auto"             # one of OOM_ACTIONS
+    metrics_addr: str | None = None      # HOST:PORT for Prometheus, None = off
+    socket_group: str | None = None      # chgrp the socket and make it 0660
+    demo: bool | None = None             # None = auto: demo when no libcuda is found
+    state_dir: str = DEFAULT_STATE_DIR
+    verbose: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "libcuda", tuple(self.libcuda))
+        parse_group_by(self.group_by)
+        if self.oom_action not in OOM_ACTIONS:
+            raise ValueError(f"oom_action {self.oom_action!r} is not one of {', '.join(OOM_ACTIONS)}")
+        if self.metrics_addr is not None:
+            parse_host_port(self.metrics_addr)
