@@ -300,6 +300,11 @@ class Probes:
             return None
         return abi.ProcCfg.from_buffer_copy(bytes(v))
 
+    def ensure_proc(self, pid: int) -> None:
+        """Make a process found at start-up known to the BPF side, so its exit is reported."""
+        v = abi.Proc(charged=abi.GROUP_NONE, last_dev=-1)
+        self._update("procs", ct.c_uint32(pid), v, BPF_NOEXIST)
+
     def delete_proc_cfg(self, pid: int) -> None:
         t = self.map["proc_cfg"]
         try:

@@ -1,0 +1,649 @@
+"""The controller: poll -> decode -> apply -> act -> snapshot.
+
+One thread runs the loop and owns the slot table, the BPF maps and every
+ptrace operation (a tracee belongs to the thread that seized it). Signal
+handlers only set a flag. The server and metrics threads read the latest
+immutable Snapshot, swapped in by reference.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import abi, enforce
+from .ptrace import PtraceError, read_mem
+from .actions import ClearSlot, Compacted, CreateGroup, DeleteGroup, ReleaseProcess, WriteSlot
+from .config import DaemonConfig
+from .events import (GroupLimitSet, LaunchesCounted, MemoryAllocated, MemoryFreed, ProcessExited,
+                     ProcessRegistered, ProcKey)
+from .limits import (EnvLimits, PolicyError, effective_limits, load_policy, parse_env_limits,
+                     physical_to_visible, visible_to_physical)
+from .slots import SlotTable
+from .snapshot import (SCHEMA_VERSION, DeviceInfo, DeviceUsage, EventRecord, GroupInfo, ProcessInfo,
+                       SlotInfo, Snapshot)
+
+log = logging.getLogger("hami_bpf")
+
+POLL_MS = 100
+HEARTBEAT_STALE_NS = 2_000_000_000
+REAP_EVERY_S = 1.0
+SWEEP_EVERY_S = 10.0
+EVENT_LOG_LEN = 2000
+HANDLE_BIT = 1 << 64   # cuMemCreate handles and device pointers are separate name spaces
+
+
+class DaemonError(RuntimeError):
+    """A start-up failure the CLI prints as one line (exit 2)."""
+
+
+# --- /proc helpers ------------------------------------------------------------
+
+def _read(path: str) -> bytes | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def proc_environ(pid: int) -> dict[str, str]:
+    raw = _read(f"/proc/{pid}/environ") or b""
+    env = {}
+    for item in raw.split(b"\0"):
+        k, sep, v = item.partition(b"=")
+        if sep:
+            env[k.decode(errors="replace")] = v.decode(errors="replace")
+    return env
+
+
+def proc_cgroup(pid: int) -> str | None:
+    raw = _read(f"/proc/{pid}/cgroup")
+    if raw is None:
+        return None
+    first = None
+    for line in raw.decode(errors="replace").splitlines():
+        hid, _, rest = line.partition(":")
+        _, _, path = rest.partition(":")
+        if hid == "0":        # the cgroup v2 (unified) hierarchy
+            return path or "/"
+        first = first or path
+    return first or "/"
+
+
+def proc_comm(pid: int) -> str:
+    raw = _read(f"/proc/{pid}/comm")
+    return raw.decode(errors="replace").strip() if raw else ""
+
+
+def ns_pid(pid: int) -> int | None:
+    """The pid as the process's own pid namespace sees it (NSpid's last field)."""
+    raw = _read(f"/proc/{pid}/status")
+    if not raw:
+        return None
+    for line in raw.decode(errors="replace").splitlines():
+        if line.startswith("NSpid:"):
+            parts = line.split()[1:]
+            return int(parts[-1]) if parts else None
+    return None
+
+
+def group_of(pid: int, group_by: str, env: dict[str, str] | None) -> str:
+    if group_by == "pid":
+        return str(pid)
+    if group_by.startswith("env:"):
+        name = group_by[4:]
+        e = env if env is not None else proc_environ(pid)
+        return e.get(name) or f"{name}(unset)"
+    return proc_cgroup(pid) or "(exited)"
+
+
+def pids_mapping(lib: Path) -> list[int]:
+    """Processes that already have this libcuda mapped (dev:inode match)."""
+    try:
+        st = lib.stat()
+    except OSError:
+        return []
+    want = f" {st.st_ino} "
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        raw = _read(f"/proc/{d}/maps")
+        if raw and want.encode() in raw and str(lib.name).encode() in raw:
+            out.append(int(d))
+    return out
+
+
+# --- devices --------------------------------------------------------------------
+
+@dataclass
+class Devices:
+    count: int
+    simulated: bool
+    uuid_to_index: dict[str, int] = field(default_factory=dict)
+    nvml: bool = False
+
+    @classmethod
+    def discover(cls, simulated: bool) -> "Devices":
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+            n = pynvml.nvmlDeviceGetCount()
+            uuids = {}
+            for i in range(n):
+                u = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(i))
+                uuids[u.decode() if isinstance(u, bytes) else u] = i
+            return cls(n, False, uuids, True)
+        except Exception as e:
+            log.info("NVML unavailable (%s): device count from FAKECUDA_DEVICES or 2", e)
+        n = int(os.environ.get("FAKECUDA_DEVICES", "2") or 2)
+        return cls(max(1, min(n, abi.MAX_DEVS)), simulated)
+
+    def infos(self) -> tuple[DeviceInfo, ...]:
+        if self.nvml:
+            import pynvml
+            out = []
+            for i in range(self.count):
+                try:
+                    h = pynvml.nvmlDeviceGetHandleByIndex(i)
+                    name = pynvml.nvmlDeviceGetName(h)
+                    mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+                    try:
+                        util = float(pynvml.nvmlDeviceGetUtilizationRates(h).gpu)
+                    except Exception:
+                        util = None
+                    out.append(DeviceInfo(i, name.decode() if isinstance(name, bytes) else name,
+                                          int(mem.total), int(mem.used), util, False))
+                except Exception:
+                    out.append(DeviceInfo(i, "N/A", None, None, None, False))
+            return tuple(out)
+        total = int(os.environ.get("FAKECUDA_TOTAL_MEM", str(16 << 30)))
+        return tuple(DeviceInfo(i, "simulated device", total if self.simulated else None, None, None,
+                                self.simulated) for i in range(self.count))
+
+
+# --- the controller ------------------------------------------------------------
+
+@dataclass
+class ProcInfo:
+    """What the controller learned of a process at registration (not in the pure table)."""
+    env: EnvLimits | None
+    phys: list[int]
+    ns_pid: int | None
+    state: str = "running"
+
+
+class Daemon:
+    def __init__(self, cfg: DaemonConfig):
+        self.cfg = cfg
+        self.table = SlotTable()
+        self.info: dict[int, ProcInfo] = {}
+        self.events_log: collections.deque[EventRecord] = collections.deque(maxlen=EVENT_LOG_LEN)
+        self._seq = 0
+        self._log_lock = threading.Lock()
+        self.counters: collections.Counter[str] = collections.Counter()
+        self.exit_latency_ns: collections.deque[int] = collections.deque(maxlen=10000)
+        self.mechanisms: dict[str, str] = {}
+        self.simulated = False
+        self.libs: list[Path] = []
+        self.policy = None
+        self._stop = threading.Event()
+        self._snap = Snapshot.empty()
+        self._dirty = True
+        self.probes = None
+        self.server = None
+        self.metrics = None
+        self.demo = None
+        self.stopped: enforce.StoppedSet | None = None
+        self.oom_action = abi.ACT_OBSERVE
+        self.group_by = cfg.group_by
+
+    # -- events log ----------------------------------------------------------
+
+    def record(self, kind: str, message: str, **data) -> None:
+        with self._log_lock:
+            self._seq += 1
+            self.events_log.append(EventRecord(time.time(), kind, message, data, self._seq))
+        lvl = logging.INFO if (self.simulated or kind in ("deny", "fallback", "error")) else logging.DEBUG
+        log.log(lvl, "%s", message)
+
+    def events_since(self, since: int) -> list[EventRecord]:
+        with self._log_lock:
+            return [e for e in self.events_log if e.seq > since]
+
+    def snapshot(self) -> Snapshot:
+        return self._snap
+
+    # -- start-up ------------------------------------------------------------
+
+    def _choose_libs(self) -> None:
+        from . import libcuda
+        cfg = self.cfg
+        if cfg.libcuda:
+            for p in cfg.libcuda:
+                try:
+                    libcuda.validate_libcuda(p)
+                except (libcuda.LibcudaError, OSError) as e:
+                    raise DaemonError(str(e)) from None
+            self.libs = [Path(p).resolve() for p in cfg.libcuda]
+        elif cfg.demo is not True:
+            self.libs = [p for p in libcuda.find_libcuda(None)]
+        if cfg.demo or (cfg.demo is None and not self.libs):
+            from . import demo, fakecuda
+            fake = fakecuda.build(None)
+            self.fake = fake
+            self.libs = [Path(fake.libcuda)]
+            self.simulated = True
+            print(demo.SIMULATED_BANNER, file=sys.stderr, flush=True)
+            if cfg.demo is not False and self.group_by == "cgroup":
+                # The demo's processes share our cgroup; its groups are HAMi-style regions.
+                self.group_by = "env:CUDA_DEVICE_MEMORY_SHARED_CACHE"
+                log.info("demo: grouping by %s", self.group_by)
+
+    def _choose_mechanisms(self) -> tuple[bool, bool]:
+        from . import probes
+        try:
+            feats = probes.probe_features()
+        except probes.ProbeError as e:
+            raise DaemonError(str(e)) from None
+        self.features = feats
+        want = self.cfg.oom_action
+        if want == "auto":
+            if feats.reg_write:
+                want = "return-oom"
+            elif feats.send_signal:
+                want = "stop-rewrite"
+            else:
+                want = "observe"
+        if want == "return-oom" and not feats.reg_write:
+            raise DaemonError("--oom-action return-oom: this kernel refuses uprobe register writes "
+                              f"({feats.errors.get('reg_write', 'refused')})")
+        if want in ("stop-rewrite", "kill") and not feats.send_signal:
+            raise DaemonError(f"--oom-action {want}: this kernel refuses bpf_send_signal "
+                              f"({feats.errors.get('send_signal', 'refused')})")
+        self.oom_action = {"return-oom": abi.ACT_RETURN_OOM, "stop-rewrite": abi.ACT_STOP_REWRITE,
+                           "kill": abi.ACT_KILL, "observe": abi.ACT_OBSERVE}[want]
+        if feats.probe_write_user:
+            meminfo = "probe-write-user"
+        elif feats.send_signal:
+            meminfo = "stop-write"
+        else:
+            meminfo = "off"
+        self.mechanisms = {
+            "oom": want,
+            "meminfo": meminfo,
+            "exit": "tracepoint sched_process_exit",
+            "events": "ringbuf" if feats.ringbuf else "none",
+            "launch": "counting uprobes" if self.cfg.count_launches else "off",
+        }
+        return feats.reg_write and want == "return-oom", feats.probe_write_user
+
+    def _load_policy(self) -> None:
+        if not self.cfg.policy:
+            return
+        p = self.cfg.policy
+        try:
+            st = os.stat(p)
+        except OSError as e:
+            raise DaemonError(f"--policy {p}: {e.strerror}") from None
+        if st.st_uid != 0 or st.st_mode & 0o022:
+            raise DaemonError(f"--policy {p}: must be owned by root and not writable by group or "
+                              f"others (owner uid {st.st_uid}, mode {st.st_mode & 0o777:o}); "
+                              "a workload must not be able to raise its own limit")
+        try:
+            text = Path(p).read_text()
+            self.policy = load_policy(text, p)
+        except PolicyError as e:
+            raise DaemonError(str(e)) from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise DaemonError(f"--policy {p}: {e}") from None
+
+    def start(self) -> None:
+        from . import libcuda, probes
+        cfg = self.cfg
+        self._choose_libs()
+        self._load_policy()
+        reg_write, pwu = self._choose_mechanisms()
+        self.devices = Devices.discover(self.simulated)
+        os.makedirs(cfg.state_dir, mode=0o700, exist_ok=True)
+        # A previous run that crashed may have left processes stopped.
+        for pid, what in enforce.StoppedSet.recover(cfg.state_dir).items():
+            self.record("recover", f"pid {pid} left stopped by a previous run: {what}", pid=pid)
+        self.stopped = enforce.StoppedSet(cfg.state_dir)
+        try:
+            self.probes = probes.Probes(reg_write=reg_write, probe_write_user=pwu)
+        except probes.ProbeError as e:
+            raise DaemonError(str(e)) from None
+        flags = abi.CFG_ENFORCE_MEM
+        if self.mechanisms["meminfo"] != "off":
+            flags |= abi.CFG_VIRT_MEMINFO
+        self.probes.set_config(flags=flags, oom_action=self.oom_action, stale_ns=HEARTBEAT_STALE_NS)
+        self.probes.heartbeat()
+        self.probes.open_events(self._on_event)
+        self.entry_ok: dict[str, dict[str, tuple[bool, str]]] = {}
+        for lib in self.libs:
+            syms = libcuda.cuda_symbols(lib)
+            try:
+                a = self.probes.attach_core(str(lib), syms)
+            except probes.ProbeError as e:
+                raise DaemonError(str(e)) from None
+            for sym, why in a.skipped.items():
+                log.info("%s: skipping %s: %s", lib, sym, why)
+            if cfg.count_launches:
+                self.probes.attach_launch(str(lib), syms)
+            offs = libcuda.symbol_file_offsets(lib, probes.ALLOC_SYMBOLS)
+            self.entry_ok[str(lib)] = {s: enforce.prologue_ok(str(lib), o, s) for s, o in offs.items()}
+            if self.oom_action == abi.ACT_STOP_REWRITE:
+                for s, (ok, why) in self.entry_ok[str(lib)].items():
+                    if not ok:
+                        self.record("fallback", f"stop-rewrite refused for {s}: {why}; a denied "
+                                    "call there is let through and counted", symbol=s)
+            log.info("attached %d probes to %s%s", len(a.core), lib,
+                     f" (+{len(a.launch)} launch probes)" if a.launch else "")
+        self._scan_existing()
+        from .server import ServerError, SnapshotServer
+        self._rebuild_snapshot()
+        self.server = SnapshotServer(cfg.socket, self.snapshot, self.events_since, cfg.socket_group)
+        try:
+            self.server.start()
+        except (ServerError, OSError) as e:
+            raise DaemonError(f"serving {cfg.socket}: {e}") from None
+        if cfg.metrics_addr:
+            from .metrics import MetricsError, start_metrics_server
+            try:
+                self.metrics = start_metrics_server(cfg.metrics_addr, self.snapshot)
+            except (MetricsError, OSError) as e:
+                raise DaemonError(f"serving metrics on {cfg.metrics_addr}: {e}") from None
+        if self.simulated and cfg.demo is not False:
+            from .demo import start_demo_workload
+            self.demo = start_demo_workload(self.fake)
+        log.info("ready: %s; oom=%s meminfo=%s; socket %s", ", ".join(map(str, self.libs)),
+                 self.mechanisms["oom"], self.mechanisms["meminfo"], cfg.socket)
+
+    def _scan_existing(self) -> None:
+        for lib in self.libs:
+            for pid in pids_mapping(lib):
+                if pid != os.getpid() and self.table.resolve(pid) is None:
+                    self._register(pid, time.monotonic_ns(), existing=True)
+
+    # -- the loop ------------------------------------------------------------
+
+    def loop(self) -> None:
+        last_reap = last_sweep = time.monotonic()
+        while not self._stop.is_set():
+            self.probes.heartbeat()
+            self.probes.poll(POLL_MS)
+            now = time.monotonic()
+            if now - last_reap >= REAP_EVERY_S:
+                self._reap()
+                last_reap = now
+            if now - last_sweep >= SWEEP_EVERY_S:
+                live = {p.key.pid for p in self.table.processes()} | self.probes.bpf_procs()
+                self.probes.sweep(live)
+                last_sweep = now
+            if self._dirty or self.cfg.count_launches:
+                self._rebuild_snapshot()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def shutdown(self) -> None:
+        """Every exit path: nobody may be left stopped, every probe detached."""
+        if self.probes:
+            try:
+                self.probes.stop_heartbeat()   # the BPF side stops nobody from now on
+                self.probes.consume()          # resume what it stopped meanwhile
+            except Exception as e:
+                log.warning("draining events at shutdown: %s", e)
+        if self.stopped:
+            for pid in self.stopped.resume_all():
+                log.info("resumed pid %d at shutdown", pid)
+        if self.demo:
+            self.demo.stop()
+        if self.server:
+            self.server.close()
+        if self.metrics:
+            self.metrics.close()
+        if self.probes:
+            self.probes.close()
+
+    # -- events from BPF -------------------------------------------------------
+
+    def _on_event(self, e: abi.Event) -> None:
+        try:
+            self._handle(e)
+        except Exception:
+            log.exception("handling event kind %d of pid %d", e.kind, e.tgid)
+            self.counters["handler_errors"] += 1
+        finally:
+            if e.flags & abi.F_STOPPED and e.kind != abi.EV_DENY and e.kind not in (abi.EV_MEMINFO, abi.EV_TOTALMEM):
+                enforce.resume(e.tgid)
+
+    def _handle(self, e: abi.Event) -> None:
+        self._dirty = True
+        self.counters["events"] += 1
+        pid = e.tgid
+        if e.kind == abi.EV_EXIT:
+            self._exit(pid, e.ts_ns)
+            return
+        if self.table.resolve(pid) is None:
+            self._register(pid, e.ts_ns, comm=e.comm.decode(errors="replace"))
+        if e.kind == abi.EV_ALLOC:
+            ptr = e.ptr | (HANDLE_BIT if e.alloc_kind == abi.KIND_HANDLE else 0)
+            self.table.apply(MemoryAllocated(pid, e.device, e.size, ptr, e.ts_ns))
+        elif e.kind == abi.EV_FREE:
+            ptr = e.ptr | (HANDLE_BIT if e.alloc_kind == abi.KIND_HANDLE else 0)
+            self.table.apply(MemoryFreed(pid, ptr, e.ts_ns))
+        elif e.kind == abi.EV_ALLOC_FAIL:
+            self.counters["alloc_failures"] += 1
+        elif e.kind == abi.EV_DENY:
+            self._deny(e)
+        elif e.kind in (abi.EV_MEMINFO, abi.EV_TOTALMEM):
+            self._meminfo(e)
+
+    def _register(self, pid: int, ts_ns: int, comm: str = "", existing: bool = False) -> None:
+        st = enforce.proc_start_time(pid)
+        env = proc_environ(pid) if st is not None else {}
+        limits = None
+        if self.cfg.env_limits and env:
+            limits, problems = parse_env_limits(env)
+            for msg in problems:
+                self.record("config", f"pid {pid}: {msg} (ignored)", pid=pid)
+        cvd = env.get("CUDA_VISIBLE_DEVICES")
+        phys = []
+        for i in range(abi.MAX_DEVS):
+            p = visible_to_physical(i, cvd, self.devices.uuid_to_index) if cvd is not None else i
+            phys.append(i if p is None else p)
+        group = group_of(pid, self.group_by, env) if st is not None else "(exited)"
+        key = ProcKey(pid, st if st is not None else 0)
+        self.info[pid] = ProcInfo(limits, phys, ns_pid(pid))
+        actions = self.table.apply(ProcessRegistered(key, group, comm or proc_comm(pid), ts_ns))
+        self._act(actions, new_pid=pid if not existing else None, existing=existing)
+        view = self.table.process(pid)
+        if view is None:
+            return
+        if existing:
+            self.probes.ensure_proc(pid)
+        self.record("register", f"pid {pid} ({view.comm}) registered in group {group!r} slot {view.slot}",
+                    pid=pid, group=group, slot=view.slot)
+        self._apply_limits(view.group, view.group_index, pid, cvd)
+
+    def _apply_limits(self, group: str, gidx: int, pid: int, cvd: str | None) -> None:
+        """A member can lower its group's limit, never raise it above the policy."""
+        info = self.info.get(pid)
+        current = self.table.limits(group)
+        for dev in range(self.devices.count):
+            vis = physical_to_visible(dev, cvd, self.devices.uuid_to_index) if cvd is not None else dev
+            if vis is None and cvd is not None:
+                continue  # this process can't see the device
+            mem, _sm = effective_limits(self.policy, group, info.env if info and self.cfg.env_limits else None,
+                                        dev, visible_index=vis)
+            old = current.get(dev)
+            new = mem if old is None else (old if mem is None else min(old, mem))
+            if new != old:
+                self.table.apply(GroupLimitSet(group, dev, new))
+                self.probes.set_group_limit(gidx, dev, new, new)
+                self.record("limit", f"group {group!r} device {dev}: limit {new} bytes",
+                            group=group, device=dev, limit=new)
+
+    def _exit(self, pid: int, ts_ns: int) -> None:
+        if self.table.resolve(pid) is None:
+            return
+        self._act(self.table.apply(ProcessExited(pid, None, ts_ns)))
+        self.exit_latency_ns.append(max(0, time.monotonic_ns() - ts_ns))
+
+    def _act(self, actions, new_pid: int | None = None, existing: bool = False) -> None:
+        for a in actions:
+            if isinstance(a, WriteSlot):
+                info = self.info.get(a.key.pid)
+                first = a.key.pid == new_pid or (existing and a.key.pid in self.info)
+                ok = self.probes.write_proc_cfg(a.key.pid, a.group_index, a.slot,
+                                                info.phys if info else None, must_exist=not first)
+                if not ok and not first:
+                    # The exit program already dropped it: its exit event is on the way.
+                    self.counters["slot_write_after_exit"] += 1
+            elif isinstance(a, ReleaseProcess):
+                self.info.pop(a.key.pid, None)
+                if enforce.proc_start_time(a.key.pid) != a.key.start_time:
+                    self.probes.delete_proc_cfg(a.key.pid)
+            elif isinstance(a, DeleteGroup):
+                self.probes.delete_group(a.index)
+                self.record("group", f"group {a.name!r} is empty: deleted", group=a.name)
+            elif isinstance(a, Compacted):
+                moves = [{"pid": k.pid, "from": f, "to": t} for k, f, t in a.moves]
+                self.counters["compactions"] += 1
+                self.record("compact", f"group {a.group!r}: pid {a.removed.pid} left; " +
+                            (", ".join(f"pid {m['pid']} slot {m['from']}->{m['to']}" for m in moves)
+                             or "no move needed"), group=a.group, removed=a.removed.pid, moves=moves)
+            elif isinstance(a, (CreateGroup, ClearSlot)):
+                pass
+
+    # -- enforcement -------------------------------------------------------------
+
+    def _deny(self, e: abi.Event) -> None:
+        pid, act = e.tgid, e.aux
+        view = self.table.process(pid)
+        group = view.group if view else "?"
+        limit = self.table.limits(group).get(e.device) if view else None
+        what = (f"denied pid {pid} group {group!r} device {e.device}: request {e.size} bytes over "
+                f"limit {limit} bytes")
+        self.counters["denials"] += 1
+        if act == abi.ACT_STOP_REWRITE:
+            try:
+                took = enforce.fail_call(pid, e.tid, e.ptr, stopped=self.stopped)
+                self.record("deny", f"{what}: returned CUDA_ERROR_OUT_OF_MEMORY "
+                            f"({took * 1e3:.2f} ms)", pid=pid, group=group, device=e.device,
+                            size=e.size, limit=limit, action="stop-rewrite")
+            except enforce.EnforceRefused as err:
+                self.counters["enforce_refused"] += 1
+                self.record("fallback", f"{what}: stop-rewrite refused ({err.reason}); call let "
+                            "through", pid=pid, action="let-through")
+            except enforce.EnforceError as err:
+                self.counters["enforce_errors"] += 1
+                self.record("error", f"{what}: stop-rewrite failed: {err}", pid=pid)
+            finally:
+                enforce.resume(pid)
+        elif act == abi.ACT_KILL:
+            self.record("deny", f"{what}: killed (SIGKILL)", pid=pid, group=group, device=e.device,
+                        size=e.size, limit=limit, action="kill")
+        elif act == abi.ACT_RETURN_OOM:
+            self.record("deny", f"{what}: returned CUDA_ERROR_OUT_OF_MEMORY in the kernel", pid=pid,
+                        group=group, device=e.device, size=e.size, limit=limit, action="return-oom")
+        else:
+            self.counters["would_deny"] += 1
+            why = "controller stale" if act == abi.ACT_NONE_STALE else "observe only"
+            self.record("deny", f"{what}: allowed ({why})", pid=pid, group=group, device=e.device,
+                        size=e.size, limit=limit, action=abi.ACTION_NAMES.get(act, str(act)))
+
+    def _meminfo(self, e: abi.Event) -> None:
+        pid = e.tgid
+        view = self.table.process(pid)
+        try:
+            limit = self.table.limits(view.group).get(e.device) if view else None
+            if limit is None:
+                return
+            g = self.table.group(view.group)
+            used = g.used.get(e.device, 0) if g else 0
+            if e.kind == abi.EV_MEMINFO:
+                # Never report more free than the device really has.
+                real_free = int.from_bytes(read_mem(pid, e.ptr, 8), "little")
+                free = min(max(0, limit - used), real_free)
+                enforce.write_meminfo(pid, e.ptr, e.aux, free, limit)
+            else:
+                enforce.write_meminfo(pid, 0, e.ptr, 0, limit)
+            self.counters["meminfo_rewrites"] += 1
+        except (enforce.EnforceError, PtraceError, OSError) as err:
+            self.record("error", f"rewriting memory info of pid {pid}: {err}", pid=pid)
+        finally:
+            enforce.resume(pid)
+
+    # -- housekeeping -------------------------------------------------------------
+
+    def _reap(self) -> None:
+        """Repair lost exit events: a process whose /proc entry is gone or reused has exited."""
+        for p in self.table.processes():
+            if enforce.proc_start_time(p.key.pid) != p.key.start_time:
+                self.counters["reaped"] += 1
+                self._act(self.table.apply(ProcessExited(p.key.pid, p.key.start_time,
+                                                         time.monotonic_ns())))
+                self._dirty = True
+
+    def _rebuild_snapshot(self) -> None:
+        self._dirty = False
+        launches = self.probes.launches() if (self.probes and self.cfg.count_launches) else {}
+        denied_by_group: dict[int, int] = collections.Counter()
+        if self.probes:
+            for (gidx, _dev), (_used, denied) in self.probes.group_mem().items():
+                denied_by_group[gidx] += denied
+        procs = []
+        for p in self.table.processes():
+            limits = self.table.limits(p.group)
+            devs = {d: DeviceUsage(u, limits.get(d)) for d, u in p.used.items()}
+            info = self.info.get(p.key.pid)
+            procs.append(ProcessInfo(
+                pid=p.key.pid, start_time=p.key.start_time, comm=p.comm, group=p.group, slot=p.slot,
+                devices=devs,
+                launches=launches.get(p.key.pid, 0) if self.cfg.count_launches else None,
+                state=info.state if info else "running", denied=0,
+                ns_pid=info.ns_pid if info else None))
+        groups = []
+        for g in self.table.groups():
+            devs = {d: DeviceUsage(g.used.get(d, 0), g.limits.get(d))
+                    for d in sorted(set(g.used) | {d for d, v in g.limits.items() if v is not None})}
+            groups.append(GroupInfo(id=g.name, index=g.index, proc_num=g.proc_num,
+                                    slots=tuple(SlotInfo(i, k.pid, k.start_time) for i, k in enumerate(g.slots)),
+                                    devices=devs, denied=denied_by_group.get(g.index, 0)))
+        counters = dict(self.table.stats)
+        counters.update(self.counters)
+        if self.probes:
+            counters.update(self.probes.stats())
+        counters["launch_probes"] = self.probes.launch_probes_attached() if self.probes else 0
+        self._snap = Snapshot(SCHEMA_VERSION, time.time(), self.simulated, self.mechanisms,
+                              self.devices.infos() if hasattr(self, "devices") else (),
+                              tuple(procs), tuple(groups), counters)
+
+
+def run(cfg: DaemonConfig) -> None:
+    logging.basicConfig(level=logging.DEBUG if cfg.verbose else logging.INFO,
+                        format="hami-bpf: %(message)s", stream=sys.stderr)
+    d = Daemon(cfg)
+
+    def _on_signal(signum, frame):
+        d.stop()
+
+    old = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        d.start()
+        d.loop()
+    finally:
+        d.shutdown()
+        for s, h in old.items():
+            signal.signal(s, h)
+    log.info("stopped")
