@@ -422,8 +422,9 @@ class Daemon:
         except Exception:
             log.exception("handling event kind %d of pid %d", e.kind, e.tgid)
             self.counters["handler_errors"] += 1
-        finally:
-            if e.flags & abi.F_STOPPED and e.kind != abi.EV_DENY and e.kind not in (abi.EV_MEMINFO, abi.EV_TOTALMEM):
+            # The handlers of stopping events resume exactly once themselves;
+            # only a failure before that leaves it to us.
+            if e.flags & abi.F_STOPPED:
                 enforce.resume(e.tgid)
 
     def _handle(self, e: abi.Event) -> None:
@@ -548,8 +549,12 @@ class Daemon:
             except enforce.EnforceError as err:
                 self.counters["enforce_errors"] += 1
                 self.record("error", f"{what}: stop-rewrite failed: {err}", pid=pid)
-            finally:
+            except BaseException:
                 enforce.resume(pid)
+                raise
+            # fail_call resumed the process on every path above. Never send a
+            # second SIGCONT: it could cancel the SIGSTOP of the process's next
+            # denial, letting that call through (seen on the H200).
         elif act == abi.ACT_KILL:
             self.record("deny", f"{what}: killed (SIGKILL)", pid=pid, group=group, device=e.device,
                         size=e.size, limit=limit, action="kill")
@@ -568,6 +573,7 @@ class Daemon:
         try:
             limit = self.table.limits(view.group).get(e.device) if view else None
             if limit is None:
+                enforce.resume(pid)
                 return
             g = self.table.group(view.group)
             used = g.used.get(e.device, 0) if g else 0
@@ -579,10 +585,13 @@ class Daemon:
             else:
                 enforce.write_meminfo(pid, 0, e.ptr, 0, limit)
             self.counters["meminfo_rewrites"] += 1
+            return  # write_meminfo resumed it (once: see _deny)
         except (enforce.EnforceError, PtraceError, OSError) as err:
             self.record("error", f"rewriting memory info of pid {pid}: {err}", pid=pid)
-        finally:
+        except BaseException:
             enforce.resume(pid)
+            raise
+        enforce.resume(pid)
 
     # -- housekeeping -------------------------------------------------------------
 
