@@ -1,0 +1,999 @@
+/*
+ * fakecuda: a stand-in for the NVIDIA CUDA driver library (libcuda.so.1).
+ *
+ * It exports a subset of the CUDA driver API with the real signatures and
+ * simulates, per process, FAKECUDA_DEVICES devices (default 2) of
+ * FAKECUDA_TOTAL_MEM bytes each (default 16 GiB).  Nothing runs on any GPU:
+ * allocations hand out unique fake device pointers and are charged to the
+ * device of the calling thread's current context; launches are counted (and
+ * may busy-wait FAKECUDA_LAUNCH_NS nanoseconds to look like a kernel).
+ *
+ * It exists so that hami-bpf's uprobes, enforcement and demo can run on a
+ * machine without a GPU.  Every exported entry point must begin with
+ * `push %rbp`, as in the real libcuda 580: enforcement stops a thread right
+ * after that emulated instruction and rewrites the call into an early return.
+ * Build flags (see __init__.py): -O2 -fno-omit-frame-pointer
+ * -fcf-protection=none -fno-ipa-icf -fvisibility=hidden -fPIC -shared.
+ * tests/unit/test_fakecuda.py checks the first byte of each entry.
+ *
+ * No CUDA header is used; the few types needed are declared below with the
+ * layouts of cuda.h (x86-64).
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define EXPORT __attribute__((visibility("default"), noinline))
+/* First statement of every exported function: using the frame address makes
+ * gcc set up %rbp even in leaf functions, so the entry is `push %rbp`. */
+#define ENTRY() __asm__ volatile("" : : "r"(__builtin_frame_address(0)) : "memory")
+
+/* ---- types (cuda.h layouts) ---------------------------------------------- */
+typedef int CUresult;
+typedef int CUdevice;
+typedef unsigned long long CUdeviceptr;
+typedef unsigned long long CUmemGenericAllocationHandle;
+typedef unsigned long long cuuint64_t;
+typedef struct CUctx_st *CUcontext;
+typedef struct CUstream_st *CUstream;
+typedef struct CUfunc_st *CUfunction;
+typedef struct CUgraphExec_st *CUgraphExec;
+typedef struct CUmemPoolHandle_st *CUmemoryPool;
+typedef struct CUuuid_st { char bytes[16]; } CUuuid;
+typedef struct CUexecAffinityParam_st CUexecAffinityParam;
+typedef struct CUctxCreateParams_st CUctxCreateParams;
+typedef int CUdriverProcAddressQueryResult;
+
+typedef struct CUmemLocation_st {
+    int type; /* CU_MEM_LOCATION_TYPE_DEVICE = 1 */
+    int id;
+} CUmemLocation;
+
+typedef struct CUmemAllocationProp_st {
+    int type;                 /* CU_MEM_ALLOCATION_TYPE_PINNED = 1 */
+    int requestedHandleTypes;
+    CUmemLocation location;
+    void *win32HandleMetaData;
+    struct {
+        unsigned char compressionType;
+        unsigned char gpuDirectRDMACapable;
+        unsigned short usage;
+        unsigned char reserved[4];
+    } allocFlags;
+} CUmemAllocationProp;
+
+typedef struct CUmemAccessDesc_st {
+    CUmemLocation location;
+    int flags;
+} CUmemAccessDesc;
+
+typedef struct CUlaunchAttribute_st CUlaunchAttribute;
+typedef struct CUlaunchConfig_st {
+    unsigned int gridDimX, gridDimY, gridDimZ;
+    unsigned int blockDimX, blockDimY, blockDimZ;
+    unsigned int sharedMemBytes;
+    CUstream hStream;
+    CUlaunchAttribute *attrs;
+    unsigned int numAttrs;
+} CUlaunchConfig;
+
+/* ---- error codes ---------------------------------------------------------- */
+enum {
+    CUDA_SUCCESS = 0,
+    CUDA_ERROR_INVALID_VALUE = 1,
+    CUDA_ERROR_OUT_OF_MEMORY = 2,
+    CUDA_ERROR_NOT_INITIALIZED = 3,
+    CUDA_ERROR_DEINITIALIZED = 4,
+    CUDA_ERROR_NO_DEVICE = 100,
+    CUDA_ERROR_INVALID_DEVICE = 101,
+    CUDA_ERROR_INVALID_CONTEXT = 201,
+    CUDA_ERROR_CONTEXT_ALREADY_IN_USE = 216,
+    CUDA_ERROR_INVALID_HANDLE = 400,
+    CUDA_ERROR_NOT_FOUND = 500,
+    CUDA_ERROR_NOT_SUPPORTED = 801,
+    CUDA_ERROR_UNKNOWN = 999,
+};
+
+/* ---- simulation state ----------------------------------------------------- */
+#define MAX_DEVICES 64
+#define CTX_STACK_MAX 64
+#define CTX_MAGIC 0xc0de2a11u
+#define PTR_BASE 0x7f0000000000ULL
+#define PTR_ALIGN 512ULL
+#define DEV_SPAN (1ULL << 40)
+#define NBUCKETS 65536
+
+struct CUctx_st {
+    unsigned magic;
+    int dev;
+    int primary;
+    int refcount; /* primary: retain count */
+    int alive;
+};
+
+enum { K_PTR = 1, K_HANDLE = 2, K_VA = 3 };
+
+struct alloc {
+    struct alloc *next;
+    unsigned long long key; /* device pointer or handle */
+    unsigned long long size;
+    int kind;
+    int dev;               /* -1 for address reservations (no device memory) */
+    struct CUctx_st *ctx;  /* owner context (NULL for cuMemCreate handles) */
+};
+
+static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_once_t g_once = PTHREAD_ONCE_INIT;
+static int g_initialized;
+static int g_ndev = 2;
+static unsigned long long g_total = 16ULL << 30;
+static unsigned long long g_launch_ns;
+static unsigned long long g_used[MAX_DEVICES];
+static unsigned long long g_next_off[MAX_DEVICES];
+static unsigned long long g_next_va;
+static unsigned long long g_next_handle = 0x1000;
+static unsigned long long g_launches;
+static struct CUctx_st g_primary[MAX_DEVICES];
+static struct alloc *g_table[NBUCKETS];
+
+static __thread struct CUctx_st *t_stack[CTX_STACK_MAX];
+static __thread int t_depth;
+
+static unsigned long long env_ull(const char *name, unsigned long long dflt)
+{
+    const char *s = getenv(name);
+    if (!s || !*s)
+        return dflt;
+    char *end;
+    unsigned long long v = strtoull(s, &end, 0);
+    switch (*end) {
+    case 'k': case 'K': v <<= 10; break;
+    case 'm': case 'M': v <<= 20; break;
+    case 'g': case 'G': v <<= 30; break;
+    case 't': case 'T': v <<= 40; break;
+    default: break;
+    }
+    return v;
+}
+
+static void load_config(void)
+{
+    unsigned long long n = env_ull("FAKECUDA_DEVICES", 2);
+    g_ndev = n > MAX_DEVICES ? MAX_DEVICES : (int)n;
+    g_total = env_ull("FAKECUDA_TOTAL_MEM", 16ULL << 30);
+    g_launch_ns = env_ull("FAKECUDA_LAUNCH_NS", 0);
+    for (int i = 0; i < MAX_DEVICES; i++) {
+        g_primary[i].magic = CTX_MAGIC;
+        g_primary[i].dev = i;
+        g_primary[i].primary = 1;
+    }
+}
+
+static inline unsigned bucket(unsigned long long key)
+{
+    key ^= key >> 29;
+    key *= 0xbf58476d1ce4e5b9ULL;
+    key ^= key >> 32;
+    return (unsigned)(key & (NBUCKETS - 1));
+}
+
+static struct alloc *table_find(unsigned long long key, struct alloc ***prevp)
+{
+    struct alloc **pp = &g_table[bucket(key)];
+    for (; *pp; pp = &(*pp)->next) {
+        if ((*pp)->key == key) {
+            if (prevp)
+                *prevp = pp;
+            return *pp;
+        }
+    }
+    return NULL;
+}
+
+static void table_insert(struct alloc *a)
+{
+    unsigned b = bucket(a->key);
+    a->next = g_table[b];
+    g_table[b] = a;
+}
+
+static struct CUctx_st *current_ctx(void)
+{
+    return t_depth > 0 ? t_stack[t_depth - 1] : NULL;
+}
+
+static int ctx_valid(struct CUctx_st *c)
+{
+    return c && c->magic == CTX_MAGIC && c->alive;
+}
+
+/* Charge `size` bytes to the current context's device; store a new pointer. */
+static CUresult do_alloc(CUdeviceptr *dptr, unsigned long long size)
+{
+    if (!g_initialized)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!dptr || size == 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    struct CUctx_st *ctx = current_ctx();
+    if (!ctx_valid(ctx))
+        return CUDA_ERROR_INVALID_CONTEXT;
+    int dev = ctx->dev;
+    struct alloc *a = calloc(1, sizeof(*a));
+    if (!a)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    pthread_mutex_lock(&g_lock);
+    if (size > g_total || g_used[dev] + size > g_total) {
+        pthread_mutex_unlock(&g_lock);
+        free(a);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    unsigned long long span = (size + PTR_ALIGN - 1) & ~(PTR_ALIGN - 1);
+    unsigned long long ptr;
+    do { /* the offset wraps after 1 TiB of churn: skip live pointers */
+        if (g_next_off[dev] + span >= DEV_SPAN)
+            g_next_off[dev] = 0;
+        ptr = PTR_BASE + ((unsigned long long)dev << 40) + g_next_off[dev];
+        g_next_off[dev] += span;
+    } while (table_find(ptr, NULL));
+    a->key = ptr;
+    a->size = size;
+    a->kind = K_PTR;
+    a->dev = dev;
+    a->ctx = ctx;
+    table_insert(a);
+    g_used[dev] += size;
+    pthread_mutex_unlock(&g_lock);
+    *dptr = ptr;
+    return CUDA_SUCCESS;
+}
+
+static CUresult do_free(unsigned long long key, int kind)
+{
+    if (!g_initialized)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    struct alloc **pp = NULL;
+    pthread_mutex_lock(&g_lock);
+    struct alloc *a = table_find(key, &pp);
+    if (!a || a->kind != kind) {
+        pthread_mutex_unlock(&g_lock);
+        return kind == K_HANDLE ? CUDA_ERROR_INVALID_HANDLE : CUDA_ERROR_INVALID_VALUE;
+    }
+    *pp = a->next;
+    if (a->dev >= 0)
+        g_used[a->dev] -= a->size;
+    pthread_mutex_unlock(&g_lock);
+    free(a);
+    return CUDA_SUCCESS;
+}
+
+/* Destroying a context frees what was allocated in it, as the driver does. */
+static void free_ctx_allocations(struct CUctx_st *ctx)
+{
+    pthread_mutex_lock(&g_lock);
+    for (int b = 0; b < NBUCKETS; b++) {
+        struct alloc **pp = &g_table[b];
+        while (*pp) {
+            struct alloc *a = *pp;
+            if (a->ctx == ctx) {
+                *pp = a->next;
+                if (a->dev >= 0)
+                    g_used[a->dev] -= a->size;
+                free(a);
+            } else {
+                pp = &a->next;
+            }
+        }
+    }
+    pthread_mutex_unlock(&g_lock);
+}
+
+static void stack_remove(struct CUctx_st *ctx)
+{
+    int j = 0;
+    for (int i = 0; i < t_depth; i++)
+        if (t_stack[i] != ctx)
+            t_stack[j++] = t_stack[i];
+    t_depth = j;
+}
+
+static void count_launch(void)
+{
+    __atomic_add_fetch(&g_launches, 1, __ATOMIC_RELAXED);
+    if (g_launch_ns) {
+        struct timespec t0, t;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
+        do {
+            clock_gettime(CLOCK_MONOTONIC, &t);
+        } while ((unsigned long long)(t.tv_sec - t0.tv_sec) * 1000000000ULL +
+                     (unsigned long long)(t.tv_nsec - t0.tv_nsec) < g_launch_ns);
+    }
+}
+
+static CUresult launch_check(void)
+{
+    if (!g_initialized)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!ctx_valid(current_ctx()))
+        return CUDA_ERROR_INVALID_CONTEXT;
+    count_launch();
+    return CUDA_SUCCESS;
+}
+
+/* ---- initialization and devices ------------------------------------------ */
+EXPORT CUresult cuInit(unsigned int Flags)
+{
+    ENTRY();
+    if (Flags != 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_once(&g_once, load_config);
+    if (g_ndev <= 0)
+        return CUDA_ERROR_NO_DEVICE;
+    __atomic_store_n(&g_initialized, 1, __ATOMIC_RELEASE);
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuDriverGetVersion(int *driverVersion)
+{
+    ENTRY();
+    if (!driverVersion)
+        return CUDA_ERROR_INVALID_VALUE;
+    *driverVersion = 13000;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuDeviceGet(CUdevice *device, int ordinal)
+{
+    ENTRY();
+    if (!g_initialized)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!device)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (ordinal < 0 || ordinal >= g_ndev)
+        return CUDA_ERROR_INVALID_DEVICE;
+    *device = ordinal;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuDeviceGetCount(int *count)
+{
+    ENTRY();
+    if (!g_initialized)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!count)
+        return CUDA_ERROR_INVALID_VALUE;
+    *count = g_ndev;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuDeviceGetName(char *name, int len, CUdevice dev)
+{
+    ENTRY();
+    if (!g_initialized)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!name || len <= 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (dev < 0 || dev >= g_ndev)
+        return CUDA_ERROR_INVALID_DEVICE;
+    snprintf(name, (size_t)len, "FakeCUDA Simulated GPU %d", dev);
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice dev)
+{
+    ENTRY();
+    if (!g_initialized)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!uuid)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (dev < 0 || dev >= g_ndev)
+        return CUDA_ERROR_INVALID_DEVICE;
+    static const char prefix[12] = {'f', 'a', 'k', 'e', 'c', 'u', 'd', 'a', 0x5e, 0x1a, 0x7e, 0xd0};
+    memcpy(uuid->bytes, prefix, 12);
+    uuid->bytes[12] = 0;
+    uuid->bytes[13] = 0;
+    uuid->bytes[14] = (char)(dev >> 8);
+    uuid->bytes[15] = (char)dev;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev)
+{
+    ENTRY();
+    if (!g_initialized)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!bytes)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (dev < 0 || dev >= g_ndev)
+        return CUDA_ERROR_INVALID_DEVICE;
+    *bytes = g_total;
+    return CUDA_SUCCESS;
+}
+
+/* ---- contexts -------------------------------------------------------------- */
+EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
+{
+    ENTRY();
+    if (!g_initialized)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!pctx)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (dev < 0 || dev >= g_ndev)
+        return CUDA_ERROR_INVALID_DEVICE;
+    pthread_mutex_lock(&g_lock);
+    g_primary[dev].refcount++;
+    g_primary[dev].alive = 1;
+    pthread_mutex_unlock(&g_lock);
+    *pctx = &g_primary[dev];
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev)
+{
+    ENTRY();
+    if (!g_initialized)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (dev < 0 || dev >= g_ndev)
+        return CUDA_ERROR_INVALID_DEVICE;
+    int reset = 0;
+    pthread_mutex_lock(&g_lock);
+    if (g_primary[dev].refcount <= 0) {
+        pthread_mutex_unlock(&g_lock);
+        return CUDA_ERROR_INVALID_CONTEXT;
+    }
+    if (--g_primary[dev].refcount == 0) {
+        g_primary[dev].alive = 0; /* the static object stays; it is inactive */
+        reset = 1;
+    }
+    pthread_mutex_unlock(&g_lock);
+    if (reset)
+        free_ctx_allocations(&g_primary[dev]);
+    return CUDA_SUCCESS;
+}
+
+static CUresult ctx_create(CUcontext *pctx, CUdevice dev)
+{
+    if (!g_initialized)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!pctx)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (dev < 0 || dev >= g_ndev)
+        return CUDA_ERROR_INVALID_DEVICE;
+    if (t_depth >= CTX_STACK_MAX)
+        return CUDA_ERROR_UNKNOWN;
+    struct CUctx_st *c = calloc(1, sizeof(*c));
+    if (!c)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    c->magic = CTX_MAGIC;
+    c->dev = dev;
+    c->alive = 1;
+    t_stack[t_depth++] = c;
+    *pctx = c;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev)
+{
+    ENTRY();
+    (void)flags;
+    return ctx_create(pctx, dev);
+}
+
+EXPORT CUresult cuCtxCreate_v3(CUcontext *pctx, CUexecAffinityParam *paramsArray, int numParams,
+                               unsigned int flags, CUdevice dev)
+{
+    ENTRY();
+    (void)paramsArray;
+    (void)numParams;
+    (void)flags;
+    return ctx_create(pctx, dev);
+}
+
+EXPORT CUresult cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *ctxCreateParams,
+                               unsigned int flags, CUdevice dev)
+{
+    ENTRY();
+    (void)ctxCreateParams;
+    (void)flags;
+    return ctx_create(pctx, dev);
+}
+
+EXPORT CUresult cuCtxDestroy_v2(CUcontext ctx)
+{
+    ENTRY();
+    if (!g_initialized)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!ctx_valid(ctx) || ctx->primary)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    ctx->alive = 0; /* the object is never freed: stale handles stay detectable */
+    stack_remove(ctx);
+    free_ctx_allocations(ctx);
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuCtxSetCurrent(CUcontext ctx)
+{
+    ENTRY();
+    if (!g_initialized)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (ctx == NULL) {
+        if (t_depth > 0)
+            t_depth--;
+        return CUDA_SUCCESS;
+    }
+    if (!ctx_valid(ctx))
+        return CUDA_ERROR_INVALID_CONTEXT;
+    if (t_depth == 0)
+        t_stack[t_depth++] = ctx;
+    else
+        t_stack[t_depth - 1] = ctx;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuCtxGetCurrent(CUcontext *pctx)
+{
+    ENTRY();
+    if (!g_initialized)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!pctx)
+        return CUDA_ERROR_INVALID_VALUE;
+    *pctx = current_ctx();
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuCtxPushCurrent_v2(CUcontext ctx)
+{
+    ENTRY();
+    if (!g_initialized)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!ctx_valid(ctx))
+        return CUDA_ERROR_INVALID_CONTEXT;
+    if (t_depth >= CTX_STACK_MAX)
+        return CUDA_ERROR_UNKNOWN;
+    t_stack[t_depth++] = ctx;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuCtxPopCurrent_v2(CUcontext *pctx)
+{
+    ENTRY();
+    if (!g_initialized)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (t_depth == 0)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    struct CUctx_st *c = t_stack[--t_depth];
+    if (pctx)
+        *pctx = c;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuCtxGetDevice(CUdevice *device)
+{
+    ENTRY();
+    if (!g_initialized)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!device)
+        return CUDA_ERROR_INVALID_VALUE;
+    struct CUctx_st *c = current_ctx();
+    if (!ctx_valid(c))
+        return CUDA_ERROR_INVALID_CONTEXT;
+    *device = c->dev;
+    return CUDA_SUCCESS;
+}
+
+/* ---- memory ----------------------------------------------------------------- */
+EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
+{
+    ENTRY();
+    return do_alloc(dptr, bytesize);
+}
+
+EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t WidthInBytes,
+                                   size_t Height, unsigned int ElementSizeBytes)
+{
+    ENTRY();
+    if (!pPitch || WidthInBytes == 0 || Height == 0)
+        return g_initialized ? CUDA_ERROR_INVALID_VALUE : CUDA_ERROR_NOT_INITIALIZED;
+    if (ElementSizeBytes != 4 && ElementSizeBytes != 8 && ElementSizeBytes != 16)
+        return g_initialized ? CUDA_ERROR_INVALID_VALUE : CUDA_ERROR_NOT_INITIALIZED;
+    size_t pitch = (WidthInBytes + PTR_ALIGN - 1) & ~(size_t)(PTR_ALIGN - 1);
+    if (Height > (~(size_t)0) / pitch)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    CUresult rc = do_alloc(dptr, pitch * Height);
+    if (rc == CUDA_SUCCESS)
+        *pPitch = pitch;
+    return rc;
+}
+
+EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned int flags)
+{
+    ENTRY();
+    if (flags != 1 && flags != 2) /* CU_MEM_ATTACH_GLOBAL, CU_MEM_ATTACH_HOST */
+        return g_initialized ? CUDA_ERROR_INVALID_VALUE : CUDA_ERROR_NOT_INITIALIZED;
+    return do_alloc(dptr, bytesize);
+}
+
+EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr)
+{
+    ENTRY();
+    return do_free(dptr, K_PTR);
+}
+
+EXPORT CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream hStream)
+{
+    ENTRY();
+    (void)hStream;
+    return do_alloc(dptr, bytesize);
+}
+
+EXPORT CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUstream hStream)
+{
+    ENTRY();
+    (void)hStream;
+    return do_alloc(dptr, bytesize);
+}
+
+EXPORT CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream)
+{
+    ENTRY();
+    (void)hStream;
+    return do_free(dptr, K_PTR);
+}
+
+EXPORT CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream)
+{
+    ENTRY();
+    (void)hStream;
+    return do_free(dptr, K_PTR);
+}
+
+EXPORT CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool,
+                                        CUstream hStream)
+{
+    ENTRY();
+    (void)pool;
+    (void)hStream;
+    return do_alloc(dptr, bytesize);
+}
+
+EXPORT CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytesize,
+                                             CUmemoryPool pool, CUstream hStream)
+{
+    ENTRY();
+    (void)pool;
+    (void)hStream;
+    return do_alloc(dptr, bytesize);
+}
+
+EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
+                            const CUmemAllocationProp *prop, unsigned long long flags)
+{
+    ENTRY();
+    if (!g_initialized)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!handle || !prop || size == 0 || flags != 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (prop->location.type != 1) /* CU_MEM_LOCATION_TYPE_DEVICE */
+        return CUDA_ERROR_INVALID_VALUE;
+    int dev = prop->location.id;
+    if (dev < 0 || dev >= g_ndev)
+        return CUDA_ERROR_INVALID_DEVICE;
+    struct alloc *a = calloc(1, sizeof(*a));
+    if (!a)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    pthread_mutex_lock(&g_lock);
+    if (size > g_total || g_used[dev] + size > g_total) {
+        pthread_mutex_unlock(&g_lock);
+        free(a);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    a->key = g_next_handle++;
+    a->size = size;
+    a->kind = K_HANDLE;
+    a->dev = dev;
+    table_insert(a);
+    g_used[dev] += size;
+    pthread_mutex_unlock(&g_lock);
+    *handle = a->key;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
+{
+    ENTRY();
+    return do_free(handle, K_HANDLE);
+}
+
+EXPORT CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment,
+                                    CUdeviceptr addr, unsigned long long flags)
+{
+    ENTRY();
+    (void)addr;
+    (void)flags;
+    if (!g_initialized)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!ptr || size == 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    unsigned long long align = alignment ? alignment : (2ULL << 20);
+    if (align & (align - 1))
+        return CUDA_ERROR_INVALID_VALUE;
+    struct alloc *a = calloc(1, sizeof(*a));
+    if (!a)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    pthread_mutex_lock(&g_lock);
+    /* virtual ranges live above every device's pointer span */
+    unsigned long long base = PTR_BASE + ((unsigned long long)MAX_DEVICES << 40);
+    unsigned long long va = (base + g_next_va + align - 1) & ~(align - 1);
+    g_next_va = va - base + ((size + align - 1) & ~(align - 1));
+    a->key = va;
+    a->size = size;
+    a->kind = K_VA;
+    a->dev = -1;
+    table_insert(a);
+    pthread_mutex_unlock(&g_lock);
+    *ptr = va;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size)
+{
+    ENTRY();
+    (void)size;
+    return do_free(ptr, K_VA);
+}
+
+EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
+                         CUmemGenericAllocationHandle handle, unsigned long long flags)
+{
+    ENTRY();
+    (void)offset;
+    if (!g_initialized)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (size == 0 || flags != 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_lock);
+    struct alloc *h = table_find(handle, NULL);
+    int ok = h && h->kind == K_HANDLE;
+    pthread_mutex_unlock(&g_lock);
+    (void)ptr;
+    return ok ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
+EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
+{
+    ENTRY();
+    if (!g_initialized)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (ptr == 0 || size == 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc,
+                               size_t count)
+{
+    ENTRY();
+    if (!g_initialized)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (ptr == 0 || size == 0 || !desc || count == 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    for (size_t i = 0; i < count; i++)
+        if (desc[i].location.type == 1 && (desc[i].location.id < 0 || desc[i].location.id >= g_ndev))
+            return CUDA_ERROR_INVALID_DEVICE;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total_bytes)
+{
+    ENTRY();
+    if (!g_initialized)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!free_bytes || !total_bytes)
+        return CUDA_ERROR_INVALID_VALUE;
+    struct CUctx_st *c = current_ctx();
+    if (!ctx_valid(c))
+        return CUDA_ERROR_INVALID_CONTEXT;
+    pthread_mutex_lock(&g_lock);
+    unsigned long long used = g_used[c->dev];
+    pthread_mutex_unlock(&g_lock);
+    *free_bytes = g_total - used;
+    *total_bytes = g_total;
+    return CUDA_SUCCESS;
+}
+
+/* ---- launches ------------------------------------------------------------- */
+EXPORT CUresult cuLaunchKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
+                               unsigned int gridDimZ, unsigned int blockDimX,
+                               unsigned int blockDimY, unsigned int blockDimZ,
+                               unsigned int sharedMemBytes, CUstream hStream,
+                               void **kernelParams, void **extra)
+{
+    ENTRY();
+    (void)f; (void)gridDimX; (void)gridDimY; (void)gridDimZ; (void)blockDimX;
+    (void)blockDimY; (void)blockDimZ; (void)sharedMemBytes; (void)hStream;
+    (void)kernelParams; (void)extra;
+    return launch_check();
+}
+
+EXPORT CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
+                                    unsigned int gridDimZ, unsigned int blockDimX,
+                                    unsigned int blockDimY, unsigned int blockDimZ,
+                                    unsigned int sharedMemBytes, CUstream hStream,
+                                    void **kernelParams, void **extra)
+{
+    ENTRY();
+    (void)f; (void)gridDimX; (void)gridDimY; (void)gridDimZ; (void)blockDimX;
+    (void)blockDimY; (void)blockDimZ; (void)sharedMemBytes; (void)hStream;
+    (void)kernelParams; (void)extra;
+    return launch_check();
+}
+
+EXPORT CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **kernelParams,
+                                 void **extra)
+{
+    ENTRY();
+    (void)f; (void)kernelParams; (void)extra;
+    if (!config)
+        return g_initialized ? CUDA_ERROR_INVALID_VALUE : CUDA_ERROR_NOT_INITIALIZED;
+    return launch_check();
+}
+
+EXPORT CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *config, CUfunction f,
+                                      void **kernelParams, void **extra)
+{
+    ENTRY();
+    (void)f; (void)kernelParams; (void)extra;
+    if (!config)
+        return g_initialized ? CUDA_ERROR_INVALID_VALUE : CUDA_ERROR_NOT_INITIALIZED;
+    return launch_check();
+}
+
+EXPORT CUresult cuLaunchCooperativeKernel(CUfunction f, unsigned int gridDimX,
+                                          unsigned int gridDimY, unsigned int gridDimZ,
+                                          unsigned int blockDimX, unsigned int blockDimY,
+                                          unsigned int blockDimZ, unsigned int sharedMemBytes,
+                                          CUstream hStream, void **kernelParams)
+{
+    ENTRY();
+    (void)f; (void)gridDimX; (void)gridDimY; (void)gridDimZ; (void)blockDimX;
+    (void)blockDimY; (void)blockDimZ; (void)sharedMemBytes; (void)hStream;
+    (void)kernelParams;
+    return launch_check();
+}
+
+EXPORT CUresult cuLaunchCooperativeKernel_ptsz(CUfunction f, unsigned int gridDimX,
+                                               unsigned int gridDimY, unsigned int gridDimZ,
+                                               unsigned int blockDimX, unsigned int blockDimY,
+                                               unsigned int blockDimZ,
+                                               unsigned int sharedMemBytes, CUstream hStream,
+                                               void **kernelParams)
+{
+    ENTRY();
+    (void)f; (void)gridDimX; (void)gridDimY; (void)gridDimZ; (void)blockDimX;
+    (void)blockDimY; (void)blockDimZ; (void)sharedMemBytes; (void)hStream;
+    (void)kernelParams;
+    return launch_check();
+}
+
+EXPORT CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream)
+{
+    ENTRY();
+    (void)hStream;
+    if (!hGraphExec)
+        return g_initialized ? CUDA_ERROR_INVALID_VALUE : CUDA_ERROR_NOT_INITIALIZED;
+    return launch_check();
+}
+
+EXPORT CUresult cuGraphLaunch_ptsz(CUgraphExec hGraphExec, CUstream hStream)
+{
+    ENTRY();
+    (void)hStream;
+    if (!hGraphExec)
+        return g_initialized ? CUDA_ERROR_INVALID_VALUE : CUDA_ERROR_NOT_INITIALIZED;
+    return launch_check();
+}
+
+/* ---- entry points by name and error strings -------------------------------- */
+static void *self_handle(void)
+{
+    static void *handle;
+    void *h = __atomic_load_n(&handle, __ATOMIC_ACQUIRE);
+    if (h)
+        return h;
+    Dl_info info;
+    if (!dladdr((void *)&self_handle, &info) || !info.dli_fname)
+        return NULL;
+    h = dlopen(info.dli_fname, RTLD_LAZY | RTLD_NOLOAD);
+    if (h)
+        __atomic_store_n(&handle, h, __ATOMIC_RELEASE);
+    return h;
+}
+
+/* Resolve like the driver does, well enough for tests: with the per-thread
+ * default stream flag (2) prefer the _ptsz/_ptds variants, then the `_v2`
+ * version of the name, then the name itself. */
+EXPORT CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion,
+                                    cuuint64_t flags, CUdriverProcAddressQueryResult *symbolStatus)
+{
+    ENTRY();
+    (void)cudaVersion;
+    if (!symbol || !pfn)
+        return CUDA_ERROR_INVALID_VALUE;
+    *pfn = NULL;
+    if (symbolStatus)
+        *symbolStatus = 1; /* CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND */
+    if (strncmp(symbol, "cu", 2) != 0 || strlen(symbol) > 200)
+        return CUDA_ERROR_NOT_FOUND;
+    void *h = self_handle();
+    if (!h)
+        return CUDA_ERROR_UNKNOWN;
+    static const char *const pt_suffixes[] = {"_v2_ptsz", "_v2_ptds", "_ptsz", "_ptds"};
+    static const char *const suffixes[] = {"_v2", ""};
+    char name[256];
+    if (flags & 2) {
+        for (size_t i = 0; i < sizeof(pt_suffixes) / sizeof(*pt_suffixes); i++) {
+            snprintf(name, sizeof(name), "%s%s", symbol, pt_suffixes[i]);
+            if ((*pfn = dlsym(h, name)))
+                goto found;
+        }
+    }
+    for (size_t i = 0; i < sizeof(suffixes) / sizeof(*suffixes); i++) {
+        snprintf(name, sizeof(name), "%s%s", symbol, suffixes[i]);
+        if ((*pfn = dlsym(h, name)))
+            goto found;
+    }
+    return CUDA_ERROR_NOT_FOUND;
+found:
+    if (symbolStatus)
+        *symbolStatus = 0; /* CU_GET_PROC_ADDRESS_SUCCESS */
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuGetErrorString(CUresult error, const char **pStr)
+{
+    ENTRY();
+    if (!pStr)
+        return CUDA_ERROR_INVALID_VALUE;
+    const char *s = NULL;
+    switch (error) {
+    case CUDA_SUCCESS: s = "no error"; break;
+    case CUDA_ERROR_INVALID_VALUE: s = "invalid argument"; break;
+    case CUDA_ERROR_OUT_OF_MEMORY: s = "out of memory"; break;
+    case CUDA_ERROR_NOT_INITIALIZED: s = "initialization error"; break;
+    case CUDA_ERROR_DEINITIALIZED: s = "driver shutting down"; break;
+    case CUDA_ERROR_NO_DEVICE: s = "no CUDA-capable device is detected"; break;
+    case CUDA_ERROR_INVALID_DEVICE: s = "invalid device ordinal"; break;
+    case CUDA_ERROR_INVALID_CONTEXT: s = "invalid device context"; break;
+    case CUDA_ERROR_INVALID_HANDLE: s = "invalid resource handle"; break;
+    case CUDA_ERROR_NOT_FOUND: s = "named symbol not found"; break;
+    case CUDA_ERROR_NOT_SUPPORTED: s = "operation not supported"; break;
+    case CUDA_ERROR_UNKNOWN: s = "unknown error"; break;
+    default:
+        *pStr = NULL;
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    *pStr = s;
+    return CUDA_SUCCESS;
+}
+
+/* ---- not CUDA: introspection for tests ------------------------------------- */
+EXPORT unsigned long long fakecuda_launch_count(void)
+{
+    ENTRY();
+    return __atomic_load_n(&g_launches, __ATOMIC_RELAXED);
+}
+
+EXPORT unsigned long long fakecuda_used(int dev)
+{
+    ENTRY();
+    if (dev < 0 || dev >= MAX_DEVICES)
+        return 0;
+    pthread_mutex_lock(&g_lock);
+    unsigned long long u = g_used[dev];
+    pthread_mutex_unlock(&g_lock);
+    return u;
+}
