@@ -439,13 +439,27 @@ static __always_inline int free_enter(struct pt_regs *ctx, __u32 kind, __u64 ptr
 
 /* ---- registration ------------------------------------------------------- */
 
+/*
+ * cuInit: the process uses CUDA. Where limits may apply (HAMI_CFG_GATE_INIT),
+ * a process the controller has not classified yet is held here until it has:
+ * otherwise its first allocations would be admitted against no group. Only
+ * while the controller is alive to resume it, and only once the event that
+ * tells it to is safely reserved.
+ */
 int uprobe__cuInit(struct pt_regs *ctx)
 {
 	__u32 tgid = bpf_get_current_pid_tgid() >> 32;
 	get_proc(tgid);
 	struct hami_event *e = new_event(HAMI_EV_INIT);
-	if (e)
-		events.ringbuf_submit(e, 0);
+	if (!e)
+		return 0;
+	struct hami_config *c = get_config();
+	if (c && (c->flags & HAMI_CFG_GATE_INIT) && !proc_cfg.lookup(&tgid) && controller_alive(c)) {
+		bpf_send_signal(19 /* SIGSTOP */);
+		stat_inc(HAMI_STAT_STOPS);
+		e->flags = HAMI_F_STOPPED;
+	}
+	events.ringbuf_submit(e, 0);
 	return 0;
 }
 

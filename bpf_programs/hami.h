@@ -16,7 +16,7 @@
 #define HAMI_ABI_VERSION 1
 
 /* Event kinds sent through the ring buffer. */
-#define HAMI_EV_INIT        1  /* cuInit entered: a process uses CUDA */
+#define HAMI_EV_INIT        1  /* cuInit entered: a process uses CUDA; stopped if flags has HAMI_F_STOPPED */
 #define HAMI_EV_ALLOC       2  /* an allocation returned CUDA_SUCCESS */
 #define HAMI_EV_ALLOC_FAIL  3  /* an allocation returned an error (rc set) */
 #define HAMI_EV_FREE        4  /* a free entered; size/device from our record, 0 if unknown */
@@ -46,6 +46,7 @@
 /* Config flags. */
 #define HAMI_CFG_ENFORCE_MEM  (1u << 0)
 #define HAMI_CFG_VIRT_MEMINFO (1u << 1)
+#define HAMI_CFG_GATE_INIT    (1u << 2) /* hold a new process at cuInit until classified */
 
 #define HAMI_GROUP_NONE 0xffffffffu
 #define HAMI_UNLIMITED  0xffffffffffffffffULL

@@ -185,6 +185,7 @@ class Daemon:
         self.cfg = cfg
         self.table = SlotTable()
         self.info: dict[int, ProcInfo] = {}
+        self.denied: collections.Counter[int] = collections.Counter()
         self.events_log: collections.deque[EventRecord] = collections.deque(maxlen=EVENT_LOG_LEN)
         self._seq = 0
         self._log_lock = threading.Lock()
@@ -324,6 +325,13 @@ class Daemon:
         flags = abi.CFG_ENFORCE_MEM
         if self.mechanisms["meminfo"] != "off":
             flags |= abi.CFG_VIRT_MEMINFO
+        # Limits can come from a new process's environment or the policy: hold
+        # it at cuInit until its group and limits are in the maps (~1 ms once).
+        if (cfg.env_limits or self.policy) and self.features.send_signal:
+            flags |= abi.CFG_GATE_INIT
+            self.mechanisms["admission"] = "gated at cuInit"
+        else:
+            self.mechanisms["admission"] = "from first classified call"
         self.probes.set_config(flags=flags, oom_action=self.oom_action, stale_ns=HEARTBEAT_STALE_NS)
         self.probes.heartbeat()
         self.probes.open_events(self._on_event)
@@ -435,7 +443,18 @@ class Daemon:
             self._exit(pid, e.ts_ns)
             return
         if self.table.resolve(pid) is None:
+            if e.kind == abi.EV_INIT and e.flags & abi.F_STOPPED:
+                self.stopped.add(pid, enforce.proc_start_time(pid), "held at cuInit")
+                try:
+                    self._register(pid, e.ts_ns, comm=e.comm.decode(errors="replace"))
+                finally:
+                    self.stopped.remove(pid)
+                    enforce.resume(pid)   # exactly once (see _deny)
+                return
             self._register(pid, e.ts_ns, comm=e.comm.decode(errors="replace"))
+        elif e.kind == abi.EV_INIT and e.flags & abi.F_STOPPED:
+            enforce.resume(pid)
+            return
         if e.kind == abi.EV_ALLOC:
             ptr = e.ptr | (HANDLE_BIT if e.alloc_kind == abi.KIND_HANDLE else 0)
             self.table.apply(MemoryAllocated(pid, e.device, e.size, ptr, e.ts_ns))
@@ -512,6 +531,7 @@ class Daemon:
                     self.counters["slot_write_after_exit"] += 1
             elif isinstance(a, ReleaseProcess):
                 self.info.pop(a.key.pid, None)
+                self.denied.pop(a.key.pid, None)
                 if enforce.proc_start_time(a.key.pid) != a.key.start_time:
                     self.probes.delete_proc_cfg(a.key.pid)
             elif isinstance(a, DeleteGroup):
@@ -536,6 +556,8 @@ class Daemon:
         what = (f"denied pid {pid} group {group!r} device {e.device}: request {e.size} bytes over "
                 f"limit {limit} bytes")
         self.counters["denials"] += 1
+        if act != abi.ACT_OBSERVE and act != abi.ACT_NONE_STALE:
+            self.denied[pid] += 1
         if act == abi.ACT_STOP_REWRITE:
             try:
                 took = enforce.fail_call(pid, e.tid, e.ptr, stopped=self.stopped)
@@ -620,7 +642,7 @@ class Daemon:
                 pid=p.key.pid, start_time=p.key.start_time, comm=p.comm, group=p.group, slot=p.slot,
                 devices=devs,
                 launches=launches.get(p.key.pid, 0) if self.cfg.count_launches else None,
-                state=info.state if info else "running", denied=0,
+                state=info.state if info else "running", denied=self.denied.get(p.key.pid, 0),
                 ns_pid=info.ns_pid if info else None))
         groups = []
         for g in self.table.groups():

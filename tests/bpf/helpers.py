@@ -1,0 +1,525 @@
+"""Shared helpers for the black-box BPF tests (and bench/compaction_latency.py).
+
+Everything here talks to `hami-bpf run` only the way a user would: the
+command line, the control socket (``hami_bpf.server.query``) and the
+``ps --json`` / ``slots --json`` commands.  Processes are the fakecuda
+``cudaprog`` workload, so the uprobes fire on a real (stand-in) libcuda.
+
+    with Daemon(fake, group_by="env:HAMI_GROUP") as d:
+        with Tracked.spawn(fake, "grp-a") as p:
+            p.alloc("alloc 1M", dev=0)
+            wait_for(lambda: accounting_problems(d.snapshot(), [p]))
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import select
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Iterable, Mapping, Sequence
+
+from hami_bpf.fakecuda import CudaProc, FakeCuda
+from hami_bpf.server import ServerError, query
+
+READY_TIMEOUT = 60.0
+CONVERGE_TIMEOUT = 2.0
+GROUP_ENV = "HAMI_GROUP"
+
+
+def hami_bpf_bin() -> str:
+    """The `hami-bpf` entry point under test (override: HAMI_BPF_BIN)."""
+    env = os.environ.get("HAMI_BPF_BIN")
+    if env:
+        return env
+    venv = "/opt/hami-bpf/venv/bin/hami-bpf"
+    if os.access(venv, os.X_OK):
+        return venv
+    found = shutil.which("hami-bpf")
+    if found:
+        return found
+    return venv  # let the caller fail with a clear "not found"
+
+
+def no_core_dumps() -> None:
+    """`crash` must not leave core files (children inherit the soft limit)."""
+    try:
+        _, hard = resource.getrlimit(resource.RLIMIT_CORE)
+        resource.setrlimit(resource.RLIMIT_CORE, (0, hard))
+    except (ValueError, OSError):
+        pass
+
+
+# ---------------------------------------------------------------- processes
+
+def stopped_pids() -> set[int]:
+    """Pids currently in state T (stopped) or t (tracing stop)."""
+    out: set[int] = set()
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        state = stat.rpartition(")")[2].split()[0:1]
+        if state and state[0] in ("T", "t"):
+            out.add(int(d))
+    return out
+
+
+def describe_pids(pids: Iterable[int]) -> str:
+    parts = []
+    for pid in sorted(pids):
+        try:
+            comm = Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:
+            comm = "?"
+        parts.append(f"{pid}({comm})")
+    return ", ".join(parts)
+
+
+# ------------------------------------------------------------------- daemon
+
+class DaemonError(RuntimeError):
+    pass
+
+
+class Daemon:
+    """`hami-bpf run` as a foreground subprocess with a private socket and state dir.
+
+    stderr goes to a file (never a pipe that could fill up); ``log()`` reads it.
+    """
+
+    def __init__(self, fake: FakeCuda, *, group_by: str = f"env:{GROUP_ENV}",
+                 count_launches: bool = False, policy: str | os.PathLike | None = None,
+                 oom_action: str | None = None, extra: Sequence[str] = (),
+                 workdir: str | os.PathLike | None = None):
+        self.fake = fake
+        # AF_UNIX paths are limited to 108 bytes: keep the socket's dir short.
+        self._own_workdir = workdir is None
+        self.workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="hami-t-"))
+        self.socket = str(self.workdir / "s.sock")
+        self.state_dir = str(self.workdir / "state")
+        self.stderr_path = self.workdir / "daemon.stderr"
+        self.argv = [hami_bpf_bin(), "run", "--libcuda", str(fake.libcuda),
+                     "--socket", self.socket, "--state-dir", self.state_dir,
+                     "--group-by", group_by, "--no-demo"]
+        if count_launches:
+            self.argv.append("--count-launches")
+        if policy is not None:
+            self.argv += ["--policy", str(policy)]
+        if oom_action is not None:
+            self.argv += ["--oom-action", oom_action]
+        self.argv += list(extra)
+        self.proc: subprocess.Popen | None = None
+        self.stopped_before: set[int] = set()
+        self.returncode: int | None = None
+        self.ready_after: float | None = None
+
+    # -- lifecycle --------------------------------------------------------
+    def start(self, ready_timeout: float = READY_TIMEOUT) -> "Daemon":
+        self.stopped_before = stopped_pids()
+        err = open(self.stderr_path, "wb")
+        try:
+            self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL,
+                                         stdout=err, stderr=err, close_fds=True)
+        finally:
+            err.close()
+        t0 = time.monotonic()
+        deadline = t0 + ready_timeout
+        while True:
+            if "ready" in self.log():
+                self.ready_after = time.monotonic() - t0
+                break
+            rc = self.proc.poll()
+            if rc is not None:
+                self.returncode = rc
+                raise DaemonError(f"`{' '.join(self.argv)}` exited with {rc} before "
+                                  f"printing 'ready'; stderr:\n{self.log()[-4000:]}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise DaemonError(f"no 'ready' on stderr within {ready_timeout:g}s; "
+                                  f"stderr:\n{self.log()[-4000:]}")
+            time.sleep(0.05)
+        # 'ready' means probes are attached; the socket must answer too.
+        wait_for(lambda: None if self._pings() else "socket does not answer", 10,
+                 what="control socket")
+        return self
+
+    def _pings(self) -> bool:
+        try:
+            query(self.socket, "ping", timeout=1)
+            return True
+        except ServerError:
+            return False
+
+    def stop(self, timeout: float = 30) -> int:
+        """SIGTERM and wait; returns the exit status (SIGKILL after `timeout`)."""
+        if self.proc is None:
+            return -1
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                self.returncode = -9
+                return self.returncode
+        self.returncode = self.proc.returncode
+        return self.returncode
+
+    def new_stopped(self) -> set[int]:
+        """Processes in state T that were not stopped before the daemon started."""
+        return stopped_pids() - self.stopped_before
+
+    def cleanup(self) -> None:
+        if self._own_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> "Daemon":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+        self.cleanup()
+
+    # -- reading ----------------------------------------------------------
+    def log(self) -> str:
+        try:
+            return self.stderr_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def snapshot(self, timeout: float = 5) -> dict:
+        return query(self.socket, "snapshot", timeout=timeout)
+
+    def cli_json(self, command: str, *args: str) -> dict:
+        """`hami-bpf <command> --json --socket SOCK [args]` parsed."""
+        r = subprocess.run([hami_bpf_bin(), command, "--json", "--socket", self.socket, *args],
+                           capture_output=True, text=True, timeout=60)
+        if r.returncode != 0:
+            raise AssertionError(f"hami-bpf {command} --json exited {r.returncode}: "
+                                 f"{r.stderr.strip()}")
+        return json.loads(r.stdout)
+
+
+def finish_daemon(d: Daemon) -> None:
+    """Fixture teardown: SIGTERM -> exit 0, and no process left stopped."""
+    rc = d.stop()
+    leftover = d.new_stopped()
+    log = d.log()
+    d.cleanup()
+    assert rc == 0, f"daemon exited {rc} on SIGTERM; stderr tail:\n{log[-3000:]}"
+    assert not leftover, f"processes left in state T after the daemon exited: " \
+                         f"{describe_pids(leftover)}"
+
+
+# ------------------------------------------------------------ tracked procs
+
+def _devices(devs: Mapping[str, Mapping]) -> dict[int, int]:
+    """JSON devices -> {device: used_bytes}, zero entries dropped."""
+    return {int(k): int(v["used_bytes"]) for k, v in devs.items() if int(v["used_bytes"])}
+
+
+class Tracked:
+    """A CudaProc plus what it should hold: alloc id -> (device, bytes)."""
+
+    def __init__(self, proc: CudaProc, group: str):
+        self.proc = proc
+        self.group = group
+        self.held: dict[int, tuple[int, int]] = {}
+        self.launches = 0
+        self.dead = False
+
+    @classmethod
+    def spawn(cls, fake: FakeCuda, group: str, *, init: bool = True, device: int | None = 0,
+              env: Mapping[str, str] | None = None, stderr=subprocess.DEVNULL) -> "Tracked":
+        no_core_dumps()
+        e = {GROUP_ENV: group, "FAKECUDA_DEVICES": "2"}
+        if env:
+            e.update(env)
+        t = cls(CudaProc(fake, env=e, stderr=stderr), group)
+        try:
+            if init:
+                t.ok("init")
+            if init and device is not None:
+                t.ok(f"device {device}")
+        except BaseException:
+            t.close()
+            raise
+        return t
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def cmd(self, line: str, timeout: float = 10) -> dict[str, str]:
+        return self.proc.cmd(line, timeout)
+
+    def ok(self, line: str, timeout: float = 10) -> dict[str, str]:
+        """A command that must return rc=0."""
+        r = self.cmd(line, timeout)
+        assert r.get("rc", "0") == "0", f"pid {self.pid}: {line!r} -> {r}"
+        return r
+
+    def alloc(self, line: str, dev: int, *, expect_rc: int | None = 0) -> tuple[int, int]:
+        """Run an allocating command (alloc/allocmanaged/allocasync/allocpool/
+        allocpitch/create/vmm) charged to `dev`; returns (rc, id) and records it."""
+        r = self.cmd(line)
+        rc, aid = int(r["rc"]), int(r.get("id", -1))
+        if expect_rc is not None:
+            assert rc == expect_rc, f"pid {self.pid}: {line!r} -> {r}, expected rc={expect_rc}"
+        if rc == 0:
+            self.held[aid] = (dev, alloc_size(line, r))
+        return rc, aid
+
+    def free(self, aid: int, *, via_thread: bool = False) -> None:
+        r = self.cmd(("thread " if via_thread else "") + f"free {aid}")
+        assert r["rc"] == "0", f"pid {self.pid}: free {aid} -> {r}"
+        del self.held[aid]
+
+    def expected(self) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for dev, size in self.held.values():
+            out[dev] = out.get(dev, 0) + size
+        return out
+
+    def mark_dead(self) -> None:
+        self.dead = True
+        self.held.clear()
+
+    def close(self) -> None:
+        self.proc.close()
+
+    def __enter__(self) -> "Tracked":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Tracked(pid={self.pid}, group={self.group!r}, held={self.expected()})"
+
+
+_SUFFIX = {"": 0, "K": 10, "M": 20, "G": 30, "T": 40}
+
+
+def parse_size(s: str) -> int:
+    s = s.upper().removesuffix("B").removesuffix("I")
+    if s and s[-1] in "KMGT":
+        return int(s[:-1], 0) << _SUFFIX[s[-1]]
+    return int(s, 0)
+
+
+def alloc_size(line: str, reply: Mapping[str, str]) -> int:
+    words = line.split()
+    if words[0] == "thread":
+        words = words[1:]
+    if words[0] == "allocpitch":
+        return int(reply["pitch"]) * parse_size(words[2])
+    return parse_size(words[1])
+
+
+def group_expected(procs: Iterable[Tracked]) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for p in procs:
+        if p.dead:
+            continue
+        for d, b in p.expected().items():
+            out[d] = out.get(d, 0) + b
+    return out
+
+
+# ------------------------------------------------------------------ checks
+
+def slot_problems(snap: Mapping) -> list[str]:
+    """Slot-table consistency of a whole snapshot (or a `slots --json` doc
+    plus `ps --json` doc merged as {"groups": ..., "processes": ...})."""
+    problems = []
+    procs = {p["pid"]: p for p in snap.get("processes", [])}
+    in_slots: set[int] = set()
+    for g in snap.get("groups", []):
+        slots = g["slots"]
+        idx = [s["index"] for s in slots]
+        if sorted(idx) != list(range(g["proc_num"])) or len(slots) != g["proc_num"]:
+            problems.append(f"group {g['id']!r}: proc_num={g['proc_num']} but slot indices {idx}")
+        if g["proc_num"] == 0:
+            problems.append(f"group {g['id']!r} is empty but listed")
+        for s in slots:
+            in_slots.add(s["pid"])
+            p = procs.get(s["pid"])
+            if p is None:
+                problems.append(f"group {g['id']!r} slot {s['index']}: pid {s['pid']} "
+                                "is not in processes")
+                continue
+            if p["group"] != g["id"] or p["slot"] != s["index"] \
+                    or p["start_time"] != s["start_time"]:
+                problems.append(f"pid {p['pid']}: process says group {p['group']!r} slot "
+                                f"{p['slot']} start {p['start_time']}, table says "
+                                f"{g['id']!r} slot {s['index']} start {s['start_time']}")
+    for pid in procs:
+        if pid not in in_slots:
+            problems.append(f"pid {pid} is in processes but in no slot")
+    return problems
+
+
+def accounting_problems(snap: Mapping, procs: Sequence[Tracked], *,
+                        launches: bool = False) -> list[str]:
+    """Byte-exact: each live proc's devices == what it holds; each group's
+    devices == the sum over its live procs (all live procs of the group must be
+    in `procs`); dead procs are absent. Slot consistency included."""
+    problems = slot_problems(snap)
+    by_pid = {p["pid"]: p for p in snap.get("processes", [])}
+    groups = {g["id"]: g for g in snap.get("groups", [])}
+    group_ids: dict[str, str] = {}
+    members: dict[str, list[Tracked]] = {}
+    for t in procs:
+        rec = by_pid.get(t.pid)
+        if t.dead:
+            if rec is not None:
+                problems.append(f"pid {t.pid} exited but is still listed (slot {rec['slot']})")
+            continue
+        if rec is None:
+            problems.append(f"pid {t.pid} (group {t.group}) is not listed")
+            continue
+        got = _devices(rec["devices"])
+        if got != t.expected():
+            problems.append(f"pid {t.pid}: used {got} != expected {t.expected()}")
+        if launches and rec.get("launches") != t.launches:
+            problems.append(f"pid {t.pid}: launches {rec.get('launches')} != {t.launches}")
+        gid = rec["group"]
+        if group_ids.setdefault(t.group, gid) != gid:
+            problems.append(f"{t.group}: members in groups {group_ids[t.group]!r} and {gid!r}")
+        members.setdefault(gid, []).append(t)
+    for gid, ts in members.items():
+        g = groups.get(gid)
+        if g is None:
+            problems.append(f"group {gid!r} is not listed")
+            continue
+        if g["proc_num"] != len(ts):
+            problems.append(f"group {gid!r}: proc_num {g['proc_num']} != {len(ts)} live members")
+        got = _devices(g["devices"])
+        want = group_expected(ts)
+        if got != want:
+            problems.append(f"group {gid!r}: used {got} != expected {want}")
+    return problems
+
+
+def wait_for(check: Callable[[], object], timeout: float = CONVERGE_TIMEOUT,
+             interval: float = 0.02, what: str = "condition") -> float:
+    """Poll `check` (falsy or empty = satisfied; else a description of what is
+    still wrong) until satisfied; returns the seconds it took, raises
+    AssertionError with the last description after `timeout`."""
+    t0 = time.monotonic()
+    last: object = None
+    while True:
+        try:
+            last = check()
+        except ServerError as e:
+            last = f"socket: {e}"
+        if not last:
+            return time.monotonic() - t0
+        if time.monotonic() - t0 > timeout:
+            if isinstance(last, (list, tuple)):
+                last = "\n  ".join(map(str, last))
+            raise AssertionError(f"{what} not reached within {timeout:g}s:\n  {last}")
+        time.sleep(interval)
+
+
+def converge(d: Daemon, procs: Sequence[Tracked], timeout: float = CONVERGE_TIMEOUT,
+             **kw) -> dict:
+    """Wait until the snapshot matches `procs` exactly; returns that snapshot."""
+    box: dict = {}
+
+    def check():
+        box["snap"] = d.snapshot()
+        return accounting_problems(box["snap"], procs, **kw)
+
+    wait_for(check, timeout, what="accounting")
+    return box["snap"]
+
+
+def wait_registered(d: Daemon, procs: Sequence[Tracked], timeout: float = CONVERGE_TIMEOUT):
+    pids = {t.pid for t in procs}
+
+    def check():
+        listed = {p["pid"] for p in d.snapshot()["processes"]}
+        missing = pids - listed
+        return f"not registered: {sorted(missing)}" if missing else None
+
+    return wait_for(check, timeout, what="registration")
+
+
+# ------------------------------------------------------------- exit timing
+
+def kill_and_time_removal(d: Daemon, t: Tracked, how: str, *, timeout: float = 5.0,
+                          extra_check: Callable[[dict], list[str]] | None = None
+                          ) -> tuple[float, dict]:
+    """Make `t` die (`how`: exit | kill | crash), then poll the socket as fast
+    as it answers until its pid is gone and the slot table is consistent.
+
+    Returns (seconds from the process's death to the first snapshot showing
+    that, snapshot). Death is when its pidfd becomes readable (it is a
+    zombie); the time is taken when the confirming reply has been *received*,
+    so it is an upper bound."""
+    pid = t.pid
+    pidfd = os.pidfd_open(pid)
+    try:
+        if how == "exit":
+            t.proc.send("exit 0")
+        elif how == "crash":
+            t.proc.send("crash")
+        elif how == "kill":
+            os.kill(pid, signal.SIGKILL)
+        else:
+            raise ValueError(how)
+        ready, _, _ = select.select([pidfd], [], [], 10)
+        t_dead = time.monotonic()
+        assert ready, f"pid {pid} did not die within 10s after {how}"
+    finally:
+        os.close(pidfd)
+    t.mark_dead()
+    deadline = t_dead + timeout
+    problems: list[str] = []
+    while True:
+        try:
+            snap = d.snapshot()
+        except ServerError as e:
+            snap, problems = None, [f"socket: {e}"]
+        t_seen = time.monotonic()
+        if snap is not None:
+            problems = []
+            if any(p["pid"] == pid for p in snap["processes"]):
+                problems.append(f"pid {pid} still listed")
+            problems += slot_problems(snap)
+            if extra_check is not None:
+                problems += extra_check(snap)
+            if not problems:
+                t.proc.wait(5)
+                return t_seen - t_dead, snap
+        if t_seen > deadline:
+            t.proc.wait(5)
+            raise AssertionError(f"pid {pid} ({how}) not removed within {timeout:g}s: "
+                                 + "; ".join(problems))
+        # no sleep: poll as fast as the socket answers
+
+
+def machine_loaded() -> bool:
+    return os.getloadavg()[0] > (os.cpu_count() or 1)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100)."""
+    if not values:
+        raise ValueError("no values")
+    s = sorted(values)
+    k = max(0, min(len(s) - 1, int(-(-q * len(s) // 100)) - 1))
+    return s[k]

@@ -1,0 +1,160 @@
+"""Memory limits from a policy file, enforced on real (fakecuda) processes.
+
+Policy (TOML, root-owned, 0600):  [[group]] match = "lim*"  memory = LIMIT
+with --group-by env:HAMI_GROUP, so a process whose HAMI_GROUP is "limA-..."
+is in a limited group. Every test uses its own group (each group gets its own
+LIMIT), so the tests do not share budget.
+"""
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+
+from helpers import Daemon, Tracked, converge, finish_daemon, wait_for, wait_registered
+
+pytestmark = pytest.mark.bpf
+
+MiB = 1 << 20
+LIMIT = 64 * MiB
+OOM = 2  # CUDA_ERROR_OUT_OF_MEMORY
+
+
+def lname(prefix: str = "limA") -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:6]}"
+
+
+@pytest.fixture(scope="module")
+def policy_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("policy") / "policy.toml"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(f'[[group]]\nmatch = "lim*"\nmemory = {LIMIT}\n')
+    os.chown(path, 0, 0)
+    os.chmod(path, 0o600)
+    return path
+
+
+@pytest.fixture(scope="module")
+def daemon(fakecuda, policy_file):
+    d = Daemon(fakecuda, policy=policy_file).start()
+    yield d
+    finish_daemon(d)
+
+
+def _rec(snap, pid):
+    return next((p for p in snap["processes"] if p["pid"] == pid), None)
+
+
+def _group(snap, pid):
+    rec = _rec(snap, pid)
+    return next(g for g in snap["groups"] if g["id"] == rec["group"])
+
+
+def test_limit_shows_in_ps(daemon, fakecuda):
+    with Tracked.spawn(fakecuda, lname()) as t, Tracked.spawn(fakecuda, "free-" + uuid.uuid4().hex[:6]) as u:
+        t.alloc("alloc 1M", 0)
+        u.alloc("alloc 1M", 0)
+        snap = converge(daemon, [t, u])
+        assert _rec(snap, t.pid)["devices"]["0"]["limit_bytes"] == LIMIT
+        assert _group(snap, t.pid)["devices"]["0"]["limit_bytes"] == LIMIT
+        assert _rec(snap, u.pid)["devices"]["0"]["limit_bytes"] is None
+
+
+def test_allocations_up_to_limit_then_oom_and_recover(daemon, fakecuda):
+    with Tracked.spawn(fakecuda, lname()) as t:
+        wait_registered(daemon, [t])   # the start-up window has its own test below
+        ids = [t.alloc("alloc 16M", 0)[1] for _ in range(3)]
+        t.alloc("allocasync 8M", 0)
+        t.alloc(f"alloc {8 * MiB}", 0)          # exactly LIMIT now
+        assert sum(t.expected().values()) == LIMIT
+        converge(daemon, [t])
+
+        # one byte over, through several entry points: refused, process alive
+        for line in ("alloc 1", "allocmanaged 4096", "allocasync 1M", "allocpitch 512 1 4",
+                     "create 2M 0"):
+            rc, _ = t.alloc(line, 0, expect_rc=None)
+            assert rc == OOM, f"{line!r} over the limit returned rc={rc}"
+        assert t.proc.returncode is None
+        assert int(t.cmd("pid")["pid"]) == t.pid
+        converge(daemon, [t])                    # the denied calls charged nothing
+
+        # device 1 has its own budget under `memory = N`
+        t.ok("device 1")
+        t.alloc("alloc 1M", 1)
+        t.ok("device 0")
+
+        # after a free the process can allocate again, up to the limit
+        t.free(ids[0])
+        t.alloc("alloc 16M", 0)
+        rc, _ = t.alloc("alloc 1", 0, expect_rc=None)
+        assert rc == OOM
+        converge(daemon, [t])
+
+
+def test_denied_calls_are_counted(daemon, fakecuda):
+    with Tracked.spawn(fakecuda, lname()) as t:
+        wait_registered(daemon, [t])
+        t.alloc(f"alloc {LIMIT}", 0)
+        for _ in range(3):
+            assert t.alloc("alloc 4096", 0, expect_rc=None)[0] == OOM
+        converge(daemon, [t])
+        wait_for(lambda: None if _rec(daemon.snapshot(), t.pid)["denied"] == 3
+                 else f"denied={_rec(daemon.snapshot(), t.pid)['denied']}", what="denied == 3")
+
+
+def test_limit_applies_from_the_first_allocation(daemon, fakecuda):
+    """A real workload allocates right after cuInit: no window where the
+    group's limit does not hold yet."""
+    for _ in range(3):
+        with Tracked.spawn(fakecuda, lname()) as t:   # no wait for registration
+            t.alloc(f"alloc {LIMIT}", 0)
+            rc, _ = t.alloc("alloc 4096", 0, expect_rc=None)
+            snap = converge(daemon, [t])
+            assert rc == OOM, "over-limit allocation right after start was let through"
+            assert int(_rec(snap, t.pid)["devices"]["0"]["used_bytes"]) <= LIMIT
+
+
+def test_racing_processes_never_exceed_limit(daemon, fakecuda):
+    g = lname("limR")
+    size = 4 * MiB
+    fits = LIMIT // size
+    with Tracked.spawn(fakecuda, g) as a, Tracked.spawn(fakecuda, g) as b:
+        procs = [a, b]
+        converge(daemon, procs)
+        for rnd in range(5):
+            # lockstep: both requests are in flight together
+            for _ in range(fits):
+                for t in procs:
+                    t.proc.send(f"alloc {size}")
+                for t in procs:
+                    r = t.proc.reply()
+                    rc = int(r["rc"])
+                    assert rc in (0, OOM), r
+                    if rc == 0:
+                        t.held[int(r["id"])] = (0, size)
+            total = sum(sum(t.expected().values()) for t in procs)
+            assert total <= LIMIT, f"round {rnd}: {total} bytes granted > limit {LIMIT}"
+            snap = converge(daemon, procs)
+            assert int(_group(snap, a.pid)["devices"]["0"]["used_bytes"]) <= LIMIT
+            assert total == LIMIT, f"round {rnd}: only {total} of {LIMIT} granted"
+            for t in procs:
+                for aid in list(t.held):
+                    t.free(aid)
+            converge(daemon, procs)
+
+
+def test_meminfo_reports_the_limit(daemon, fakecuda):
+    with Tracked.spawn(fakecuda, lname()) as t:
+        converge(daemon, [t])
+        rc, free, total = t.proc.meminfo()
+        assert (rc, total, free) == (0, LIMIT, LIMIT)
+        t.alloc("alloc 10M", 0)
+        t.alloc("allocpitch 1000 3 4", 0)
+        used = sum(t.expected().values())
+        converge(daemon, [t])
+        rc, free, total = t.proc.meminfo()
+        assert (rc, total, free) == (0, LIMIT, LIMIT - used)
+        r = t.cmd("totalmem 0")
+        assert (int(r["rc"]), int(r["total"])) == (0, LIMIT)
