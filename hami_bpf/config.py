@@ -58,6 +58,7 @@ class DaemonConfig:
     demo: bool | None = None             # None = auto: demo when no libcuda is found
     state_dir: str = DEFAULT_STATE_DIR
     verbose: bool = False
+    context_bytes: int | None = None     # device memory a process's context holds; None = auto
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "libcuda", tuple(self.libcuda))

@@ -36,7 +36,12 @@ HEARTBEAT_STALE_NS = 2_000_000_000
 REAP_EVERY_S = 1.0
 SWEEP_EVERY_S = 10.0
 EVENT_LOG_LEN = 2000
-HANDLE_BIT = 1 << 64   # cuMemCreate handles and device pointers are separate name spaces
+HANDLE_BIT = 1 << 64
+# What a PyTorch process's CUDA context, modules and handles held on an H200
+# (driver 580) right after start-up: 554,500,096 bytes by NVML
+# (docs/benchmarks.md). No allocation probe sees it, so each process using a
+# device reserves this much of its group's limit there.
+DEFAULT_CONTEXT_BYTES = 528 << 20   # cuMemCreate handles and device pointers are separate name spaces
 
 
 class DaemonError(RuntimeError):
@@ -313,6 +318,9 @@ class Daemon:
         self._load_policy()
         reg_write, pwu = self._choose_mechanisms()
         self.devices = Devices.discover(self.simulated)
+        self.ctx_bytes = cfg.context_bytes if cfg.context_bytes is not None else (
+            0 if self.simulated or not self.devices.nvml else DEFAULT_CONTEXT_BYTES)
+        self.mechanisms["context_reserve"] = f"{self.ctx_bytes} bytes per process per device"
         os.makedirs(cfg.state_dir, mode=0o700, exist_ok=True)
         # A previous run that crashed may have left processes stopped.
         for pid, what in enforce.StoppedSet.recover(cfg.state_dir).items():
@@ -457,7 +465,11 @@ class Daemon:
             return
         if e.kind == abi.EV_ALLOC:
             ptr = e.ptr | (HANDLE_BIT if e.alloc_kind == abi.KIND_HANDLE else 0)
+            before = self.table.process(pid)
+            first_use = before is not None and not before.used.get(e.device)
             self.table.apply(MemoryAllocated(pid, e.device, e.size, ptr, e.ts_ns))
+            if first_use and self.ctx_bytes:
+                self._sync_bpf_limit(before.group, e.device)
         elif e.kind == abi.EV_FREE:
             ptr = e.ptr | (HANDLE_BIT if e.alloc_kind == abi.KIND_HANDLE else 0)
             self.table.apply(MemoryFreed(pid, ptr, e.ts_ns))
@@ -509,9 +521,36 @@ class Daemon:
             new = mem if old is None else (old if mem is None else min(old, mem))
             if new != old:
                 self.table.apply(GroupLimitSet(group, dev, new))
-                self.probes.set_group_limit(gidx, dev, new, new)
+                self._sync_bpf_limit(group, dev)
                 self.record("limit", f"group {group!r} device {dev}: limit {new} bytes",
                             group=group, device=dev, limit=new)
+
+    def _context_reserve(self, group: str, dev: int) -> int:
+        """Bytes the group's contexts hold on the device: one per member using it."""
+        if not self.ctx_bytes:
+            return 0
+        g = self.table.group(group)
+        if g is None:
+            return 0
+        n = 0
+        for key in g.slots:
+            p = self.table.process(key.pid)
+            if p is not None and p.used.get(dev):
+                n += 1
+        return n * self.ctx_bytes
+
+    def _sync_bpf_limit(self, group: str, dev: int) -> None:
+        """Admission in BPF sees the limit less the group's context reserve;
+        memory info keeps reporting the limit itself as total."""
+        g = self.table.group(group)
+        if g is None:
+            return
+        limit = g.limits.get(dev)
+        if limit is None:
+            self.probes.set_group_limit(g.index, dev, None, None)
+            return
+        self.probes.set_group_limit(g.index, dev, max(0, limit - self._context_reserve(group, dev)),
+                                    limit)
 
     def _exit(self, pid: int, ts_ns: int) -> None:
         if self.table.resolve(pid) is None:
@@ -520,6 +559,13 @@ class Daemon:
         self.exit_latency_ns.append(max(0, time.monotonic_ns() - ts_ns))
 
     def _act(self, actions, new_pid: int | None = None, existing: bool = False) -> None:
+        self._after_release = []
+        self._act_each(actions, new_pid, existing)
+        for group, devs in self._after_release:
+            for dev in devs:
+                self._sync_bpf_limit(group, dev)
+
+    def _act_each(self, actions, new_pid: int | None, existing: bool) -> None:
         for a in actions:
             if isinstance(a, WriteSlot):
                 info = self.info.get(a.key.pid)
@@ -531,6 +577,8 @@ class Daemon:
                     self.counters["slot_write_after_exit"] += 1
             elif isinstance(a, ReleaseProcess):
                 self.info.pop(a.key.pid, None)
+                if self.ctx_bytes:
+                    self._after_release.append((a.group, tuple(a.released)))
                 self.denied.pop(a.key.pid, None)
                 if enforce.proc_start_time(a.key.pid) != a.key.start_time:
                     self.probes.delete_proc_cfg(a.key.pid)
@@ -598,7 +646,7 @@ class Daemon:
                 enforce.resume(pid)
                 return
             g = self.table.group(view.group)
-            used = g.used.get(e.device, 0) if g else 0
+            used = (g.used.get(e.device, 0) if g else 0) + self._context_reserve(view.group, e.device)
             if e.kind == abi.EV_MEMINFO:
                 # Never report more free than the device really has.
                 real_free = int.from_bytes(read_mem(pid, e.ptr, 8), "little")

@@ -1,0 +1,58 @@
+"""hami_bpf/abi.py against bcc's own view of bpf_programs/hami.h.
+
+bcc builds ctypes types for map keys and values from the compiled structs, so
+a map per ABI struct in a throwaway program gives the compiler's layout.
+"""
+import ctypes as ct
+import re
+
+import pytest
+
+from hami_bpf import abi
+
+pytestmark = pytest.mark.bpf
+
+
+def _bcc_layouts():
+    from bcc import BPF
+    d = abi.bpf_dir()
+    maps = "\n".join(f"BPF_ARRAY(m_{name}, struct {name}, 1);" for name in abi.STRUCTS)
+    b = BPF(text=f'#include "hami.h"\n{maps}\n', cflags=[f"-I{d}"])
+    try:
+        return {name: b[f"m_{name}".encode()].Leaf for name in abi.STRUCTS}
+    finally:
+        b.cleanup()
+
+
+def _fields(t):
+    out = []
+    for f in t._fields_:
+        name = f[0]
+        if name.startswith("__pad"):
+            continue
+        out.append((name, getattr(t, name).offset, ct.sizeof(f[1])))
+    return out
+
+
+def test_struct_layouts_match_bcc():
+    bcc_types = _bcc_layouts()
+    for name, mirror in abi.STRUCTS.items():
+        theirs = bcc_types[name]
+        assert ct.sizeof(mirror) == ct.sizeof(theirs), name
+        assert _fields(mirror) == _fields(theirs), name
+
+
+def test_constants_match_header():
+    text = (abi.bpf_dir() / "hami.h").read_text()
+    defines = dict(re.findall(r"#define HAMI_(\w+)\s+(\(?[0-9xXa-fA-FuUL <]+\)?)", text))
+
+    def value(expr: str) -> int:
+        return int(eval(re.sub(r"(?<=[0-9a-fA-F])[uUlL]+", "", expr)))  # noqa: S307 - our header
+
+    checked = 0
+    for name, expr in defines.items():
+        if hasattr(abi, name):
+            assert getattr(abi, name) == value(expr), name
+            checked += 1
+    assert checked >= 30
+    assert abi.ABI_VERSION == value(defines["ABI_VERSION"])
