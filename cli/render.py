@@ -158,7 +158,7 @@ def render_doctor(report: Mapping) -> RenderableType:
     for name in ("", "CHECK", "VALUE", "DETAIL"):
         t.add_column(name)
     for name, row in report.items():
-        if name == "features" or not isinstance(row, Mapping):
+        if name in ("features", "mechanisms") or not isinstance(row, Mapping):
             continue
         value = row.get("value")
         t.add_row(_check_mark(row.get("ok")), name, NA if value is None else str(value),
@@ -170,14 +170,27 @@ def render_doctor(report: Mapping) -> RenderableType:
     f.add_column("")
     f.add_column("FEATURE")
     f.add_column("VALUE")
+    f.add_column("WHY")
+    errors = features.get("errors") if isinstance(features.get("errors"), Mapping) else {}
     for name, value in features.items():
+        if name == "errors":
+            continue
         if isinstance(value, Mapping):  # tolerate the same shape as checks
             f.add_row(_check_mark(value.get("ok")), name, fmt_opt(value.get("value")))
         elif isinstance(value, bool):
-            f.add_row(_check_mark(value), name, "yes" if value else "no")
+            f.add_row(_check_mark(value), name, "yes" if value else "no", str(errors.get(name, "")))
         else:
             f.add_row(_check_mark(None if value is None else True), name, fmt_opt(value))
-    return Group(t, f)
+    mech = report.get("mechanisms")
+    if not isinstance(mech, Mapping) or "error" in mech:
+        return Group(t, f)
+    m = Table(title="mechanisms chosen (auto)", title_justify="left", box=box.SIMPLE_HEAD,
+              show_edge=False, header_style="bold")
+    m.add_column("WHAT")
+    m.add_column("MECHANISM")
+    for name, value in mech.items():
+        m.add_row(name, fmt_opt(value))
+    return Group(t, f, m)
 
 
 def to_text(renderable: RenderableType, width: int = 160) -> str:

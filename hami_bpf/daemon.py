@@ -174,6 +174,19 @@ class Devices:
                                 self.simulated) for i in range(self.count))
 
 
+# --- mechanisms -------------------------------------------------------------------
+
+def choose_mechanisms(feats, oom_action: str = "auto") -> tuple[str, str]:
+    """(OOM action, memory-info mechanism): the best the kernel's features allow."""
+    want = oom_action
+    if want == "auto":
+        want = ("return-oom" if feats.reg_write else
+                "stop-rewrite" if feats.send_signal else "observe")
+    meminfo = ("probe-write-user" if feats.probe_write_user else
+               "stop-write" if feats.send_signal else "off")
+    return want, meminfo
+
+
 # --- the controller ------------------------------------------------------------
 
 @dataclass
@@ -260,14 +273,7 @@ class Daemon:
         except probes.ProbeError as e:
             raise DaemonError(str(e)) from None
         self.features = feats
-        want = self.cfg.oom_action
-        if want == "auto":
-            if feats.reg_write:
-                want = "return-oom"
-            elif feats.send_signal:
-                want = "stop-rewrite"
-            else:
-                want = "observe"
+        want, meminfo = choose_mechanisms(feats, self.cfg.oom_action)
         if want == "return-oom" and not feats.reg_write:
             raise DaemonError("--oom-action return-oom: this kernel refuses uprobe register writes "
                               f"({feats.errors.get('reg_write', 'refused')})")
@@ -276,12 +282,6 @@ class Daemon:
                               f"({feats.errors.get('send_signal', 'refused')})")
         self.oom_action = {"return-oom": abi.ACT_RETURN_OOM, "stop-rewrite": abi.ACT_STOP_REWRITE,
                            "kill": abi.ACT_KILL, "observe": abi.ACT_OBSERVE}[want]
-        if feats.probe_write_user:
-            meminfo = "probe-write-user"
-        elif feats.send_signal:
-            meminfo = "stop-write"
-        else:
-            meminfo = "off"
         self.mechanisms = {
             "oom": want,
             "meminfo": meminfo,

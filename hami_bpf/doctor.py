@@ -188,7 +188,11 @@ def collect() -> dict[str, Any]:
         probes = None
     if probes is not None and callable(getattr(probes, "probe_features", None)):
         try:
-            result["features"] = probes.probe_features()
+            feats = probes.probe_features()
+            result["features"] = feats.as_dict() if hasattr(feats, "as_dict") else feats
+            from hami_bpf.daemon import choose_mechanisms
+            oom, meminfo = choose_mechanisms(feats)
+            result["mechanisms"] = {"oom": oom, "meminfo": meminfo}
         except Exception as e:
             result["features"] = {"error": f"{type(e).__name__}: {e}"}
     return result
