@@ -465,44 +465,38 @@ int uprobe__cuInit(struct pt_regs *ctx)
 
 /* ---- contexts and devices ----------------------------------------------- */
 
+/* Save where the new context will be written and for which device. */
+static __always_inline int ctx_enter(__u32 fn, __u64 pctx, __s32 dev)
+{
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
+	struct hami_call call = { .out = pctx, .fn = fn, .device = dev };
+	if (inflight.update(&tid, &call) != 0)
+		stat_inc(HAMI_STAT_INFLIGHT_FULL);
+	return 0;
+}
+
 /* cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) */
 int uprobe__cuDevicePrimaryCtxRetain(struct pt_regs *ctx)
 {
-	__u32 tid = (__u32)bpf_get_current_pid_tgid();
-	struct hami_call call = { .out = PT_REGS_PARM1(ctx), .fn = HAMI_FN_CTXRETAIN,
-				  .device = (__s32)PT_REGS_PARM2(ctx) };
-	inflight.update(&tid, &call);
-	return 0;
+	return ctx_enter(HAMI_FN_CTXRETAIN, PT_REGS_PARM1(ctx), (__s32)PT_REGS_PARM2(ctx));
 }
 
 /* cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev) */
 int uprobe__cuCtxCreate_v2(struct pt_regs *ctx)
 {
-	__u32 tid = (__u32)bpf_get_current_pid_tgid();
-	struct hami_call call = { .out = PT_REGS_PARM1(ctx), .fn = HAMI_FN_CTXCREATE,
-				  .device = (__s32)PT_REGS_PARM3(ctx) };
-	inflight.update(&tid, &call);
-	return 0;
+	return ctx_enter(HAMI_FN_CTXCREATE, PT_REGS_PARM1(ctx), (__s32)PT_REGS_PARM3(ctx));
 }
 
 /* cuCtxCreate_v3(CUcontext *pctx, CUexecAffinityParam *p, int n, unsigned int flags, CUdevice dev) */
 int uprobe__cuCtxCreate_v3(struct pt_regs *ctx)
 {
-	__u32 tid = (__u32)bpf_get_current_pid_tgid();
-	struct hami_call call = { .out = PT_REGS_PARM1(ctx), .fn = HAMI_FN_CTXCREATE,
-				  .device = (__s32)PT_REGS_PARM5(ctx) };
-	inflight.update(&tid, &call);
-	return 0;
+	return ctx_enter(HAMI_FN_CTXCREATE, PT_REGS_PARM1(ctx), (__s32)PT_REGS_PARM5(ctx));
 }
 
 /* cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *p, unsigned int flags, CUdevice dev) */
 int uprobe__cuCtxCreate_v4(struct pt_regs *ctx)
 {
-	__u32 tid = (__u32)bpf_get_current_pid_tgid();
-	struct hami_call call = { .out = PT_REGS_PARM1(ctx), .fn = HAMI_FN_CTXCREATE,
-				  .device = (__s32)PT_REGS_PARM4(ctx) };
-	inflight.update(&tid, &call);
-	return 0;
+	return ctx_enter(HAMI_FN_CTXCREATE, PT_REGS_PARM1(ctx), (__s32)PT_REGS_PARM4(ctx));
 }
 
 /* Return of cuDevicePrimaryCtxRetain and cuCtxCreate_*: learn ctx -> device;
