@@ -126,6 +126,28 @@ def pids_mapping(lib: Path) -> list[int]:
     return out
 
 
+def _stopped_tasks(pid: int) -> list[int]:
+    out = []
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for t in tids:
+        raw = _read(f"/proc/{pid}/task/{t}/stat")
+        if raw and raw.rsplit(b")", 1)[-1].split()[:1] == [b"T"]:
+            out.append(int(t))
+    return out
+
+
+def _user_pc(pid: int, tid: int) -> int | None:
+    """The user pc of a task that is not in a system call ("-1 sp pc")."""
+    raw = _read(f"/proc/{pid}/task/{tid}/syscall")
+    parts = raw.split() if raw else []
+    if len(parts) == 3 and parts[0] == b"-1":
+        return int(parts[2], 16)
+    return None
+
+
 # --- devices --------------------------------------------------------------------
 
 @dataclass
@@ -230,7 +252,8 @@ class Daemon:
         with self._log_lock:
             self._seq += 1
             self.events_log.append(EventRecord(time.time(), kind, message, data, self._seq))
-        lvl = logging.INFO if (self.simulated or kind in ("deny", "fallback", "error")) else logging.DEBUG
+        lvl = (logging.WARNING if kind in ("config", "error") else
+               logging.INFO if (self.simulated or kind in ("deny", "fallback", "recover")) else logging.DEBUG)
         log.log(lvl, "%s", message)
 
     def events_since(self, since: int) -> list[EventRecord]:
@@ -363,6 +386,7 @@ class Daemon:
                                     "call there is let through and counted", symbol=s)
             log.info("attached %d probes to %s%s", len(a.core), lib,
                      f" (+{len(a.launch)} launch probes)" if a.launch else "")
+        self._recover_bpf_stops()
         self._scan_existing()
         from .server import ServerError, SnapshotServer
         self._rebuild_snapshot()
@@ -382,6 +406,42 @@ class Daemon:
             self.demo = start_demo_workload(self.fake)
         log.info("ready: %s; oom=%s meminfo=%s; socket %s", ", ".join(map(str, self.libs)),
                  self.mechanisms["oom"], self.mechanisms["meminfo"], cfg.socket)
+
+    def _recover_bpf_stops(self) -> None:
+        """Finish what a previous controller left: processes its probes stopped
+        before it could act (it was SIGKILLed). Such a thread sits exactly one
+        byte past a probed entry (the emulated push %rbp), which is where no
+        one else's stop can leave it; /proc/PID/task/TID/syscall shows its pc
+        without ptrace. A denied allocation is failed now; a hold at cuInit is
+        released. Other stopped processes are not ours: left alone."""
+        from . import libcuda, probes
+        for lib in self.libs:
+            offs = libcuda.symbol_file_offsets(lib, probes.ALLOC_SYMBOLS + ("cuInit",))
+            for pid in pids_mapping(lib):
+                if pid == os.getpid():
+                    continue
+                entries = {}
+                for sym, off in offs.items():
+                    addr = enforce.entry_address(pid, str(lib), off)
+                    if addr is not None:
+                        entries[addr] = sym
+                for tid in _stopped_tasks(pid):
+                    pc = _user_pc(pid, tid)
+                    sym = entries.get(pc - 1) if pc else None
+                    if sym is None:
+                        continue
+                    if sym == "cuInit":
+                        enforce.resume(pid)
+                        self.record("recover", f"pid {pid}: released from a hold at cuInit left by "
+                                    "a previous run", pid=pid)
+                        continue
+                    try:
+                        enforce.fail_call(pid, tid, pc - 1, stopped=self.stopped)
+                        self.record("recover", f"pid {pid}: {sym} denied by a previous run: "
+                                    "returned CUDA_ERROR_OUT_OF_MEMORY", pid=pid, symbol=sym)
+                    except enforce.EnforceError as e:
+                        self.record("error", f"pid {pid}: finishing a denial left by a previous "
+                                    f"run: {e}", pid=pid)
 
     def _scan_existing(self) -> None:
         for lib in self.libs:

@@ -1,0 +1,59 @@
+"""The pure /proc helpers of hami_bpf/daemon.py (no bcc needed: daemon.py
+imports bcc only inside Daemon.start)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from hami_bpf.daemon import group_of, ns_pid, proc_cgroup, proc_comm, proc_environ
+
+
+def test_proc_cgroup_of_self_is_a_path():
+    cg = proc_cgroup(os.getpid())
+    assert isinstance(cg, str) and cg.startswith("/")
+
+
+def test_proc_cgroup_of_missing_pid_is_none():
+    assert proc_cgroup(2**22 + 1) is None   # above pid_max's ceiling
+
+
+def test_group_of_env():
+    assert group_of(1, "env:X", {"X": "a"}) == "a"
+
+
+def test_group_of_env_unset_or_empty():
+    assert group_of(1, "env:X", {}) == "X(unset)"
+    assert group_of(1, "env:X", {"X": ""}) == "X(unset)"
+    assert group_of(1, "env:X", {"Y": "a"}) == "X(unset)"
+
+
+def test_group_of_env_reads_proc_when_env_not_given():
+    p = subprocess.Popen([sys.executable, "-c", "print('up', flush=True); import sys; sys.stdin.read()"],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         env={**os.environ, "HAMI_T_GRP": "from-proc"})
+    try:
+        assert p.stdout.readline() == b"up\n"   # exec'd: /proc/PID/environ is the new one
+        assert group_of(p.pid, "env:HAMI_T_GRP", None) == "from-proc"
+        assert proc_environ(p.pid)["HAMI_T_GRP"] == "from-proc"
+    finally:
+        p.stdin.close()
+        p.stdout.close()
+        p.wait(10)
+
+
+def test_group_of_pid():
+    assert group_of(4242, "pid", None) == "4242"
+    assert group_of(os.getpid(), "pid", {"X": "a"}) == str(os.getpid())
+
+
+def test_group_of_cgroup():
+    assert group_of(os.getpid(), "cgroup", None) == proc_cgroup(os.getpid())
+    assert group_of(2**22 + 1, "cgroup", None) == "(exited)"
+
+
+def test_proc_comm_and_ns_pid_of_self():
+    assert proc_comm(os.getpid())
+    assert ns_pid(os.getpid()) is not None
+    assert proc_comm(2**22 + 1) == ""
+    assert ns_pid(2**22 + 1) is None
