@@ -709,18 +709,88 @@ int uretprobe__meminfo_return(struct pt_regs *ctx)
 
 /* ---- launches (attached only on demand) ------------------------------- */
 
-/* cuLaunchKernel, cuLaunchKernelEx, cuLaunchCooperativeKernel, cuGraphLaunch
- * and their _ptsz twins. */
-int uprobe__launch(struct pt_regs *ctx)
+/*
+ * Charge a launch to its group's SM budget on the calling thread's device.
+ * Cost is the grid's block count (a proxy for GPU time that the controller's
+ * feedback corrects). Over budget, the process stops until the controller
+ * grants more; the controller stops and resumes the group's other processes
+ * with it, so tensor-parallel peers are never frozen apart.
+ */
+static __always_inline int launch_charge(struct pt_regs *ctx, __u64 cost)
 {
-	__u32 tgid = bpf_get_current_pid_tgid() >> 32;
+	__u64 id = bpf_get_current_pid_tgid();
+	__u32 tgid = id >> 32, tid = (__u32)id;
 	__u64 one = 1;
 	__u64 *n = launches.lookup(&tgid);
 	if (n)
 		__sync_fetch_and_add(n, 1);
 	else
 		launches.update(&tgid, &one);
+
+	struct hami_proc *p = get_proc(tgid);
+	__u32 group = charged_group(tgid, p);
+	if (group == HAMI_GROUP_NONE)
+		return 0;
+	if (cost == 0)
+		cost = 1;
+	if (cost > (1 << 24))
+		cost = 1 << 24;
+	struct hami_gkey gk = { .group = group,
+				.device = to_physical(tgid, current_visible_device(tid, p)) };
+	struct hami_smuse zero = {};
+	struct hami_smuse *u = sm_use.lookup_or_try_init(&gk, &zero);
+	if (!u)
+		return 0;
+	__u64 consumed = __sync_fetch_and_add(&u->consumed, cost) + cost;
+	__sync_fetch_and_add(&u->launches, 1);
+	struct hami_smgrant *g = sm_grant.lookup(&gk);
+	if (!g || !g->limited || consumed <= g->granted)
+		return 0;
+	struct hami_config *c = get_config();
+	if (!controller_alive(c)) {
+		stat_inc(HAMI_STAT_STALE_SKIPS);
+		return 0;
+	}
+	struct hami_event *e = new_event(HAMI_EV_THROTTLE);
+	if (!e)
+		return 0;  /* nobody would learn of the stop: don't stop */
+	bpf_send_signal(19 /* SIGSTOP */);
+	stat_inc(HAMI_STAT_THROTTLES);
+	e->flags = HAMI_F_STOPPED;
+	e->device = gk.device;
+	e->group = group;
+	e->size = consumed;
+	e->aux = g->granted;
+	events.ringbuf_submit(e, 0);
 	return 0;
+}
+
+/* cuLaunchKernel(f, gridX, gridY, gridZ, blockX, ...), and with the same
+ * leading arguments cuLaunchCooperativeKernel and the _ptsz twins. */
+int uprobe__cuLaunchKernel(struct pt_regs *ctx)
+{
+	__u64 gx = (__u32)PT_REGS_PARM2(ctx), gy = (__u32)PT_REGS_PARM3(ctx),
+	      gz = (__u32)PT_REGS_PARM4(ctx);
+	return launch_charge(ctx, gx * gy * gz);
+}
+
+/* cuLaunchKernelEx(const CUlaunchConfig *config, f, params, extra): the grid
+ * is the config's first three unsigned ints, in user memory. */
+int uprobe__cuLaunchKernelEx(struct pt_regs *ctx)
+{
+	__u32 grid[3] = {};
+	__u64 cfg = PT_REGS_PARM1(ctx);
+	if (cfg)
+		bpf_probe_read_user(&grid, sizeof(grid), (void *)cfg);
+	return launch_charge(ctx, (__u64)grid[0] * grid[1] * grid[2]);
+}
+
+/* cuGraphLaunch(exec, stream): one opaque launch of many kernels, charged
+ * the controller's learned cost per graph (config.graph_cost). */
+int uprobe__cuGraphLaunch(struct pt_regs *ctx)
+{
+	struct hami_config *c = get_config();
+	return launch_charge(ctx, c && c->graph_cost ? c->graph_cost : 1);
 }
 
 /* ---- exits ---------------------------------------------------------------- */

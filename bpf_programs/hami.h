@@ -25,6 +25,7 @@
 #define HAMI_EV_MEMINFO     7  /* cuMemGetInfo_v2 returned; ptr = free*, aux = total*; the process is stopped when flags has HAMI_F_STOPPED */
 #define HAMI_EV_TOTALMEM    8  /* cuDeviceTotalMem_v2 returned; ptr = bytes*, stopped as above */
 #define HAMI_EV_CTX         9  /* a context was bound to a device (informational) */
+#define HAMI_EV_THROTTLE   10  /* a launch found its group's SM budget spent: the process is stopped (flags) */
 
 /* Allocation kinds: a device pointer and a cuMemCreate handle are different
  * name spaces in one process. */
@@ -61,7 +62,8 @@
 #define HAMI_STAT_STOPS           5 /* SIGSTOPs sent */
 #define HAMI_STAT_STALE_SKIPS     6 /* a stop was skipped: heartbeat stale */
 #define HAMI_STAT_CTX_FULL        7
-#define HAMI_STAT_MAX             8
+#define HAMI_STAT_THROTTLES       8 /* launches that found the budget spent */
+#define HAMI_STAT_MAX             9
 
 struct hami_event {
 	__u32 kind;
@@ -168,12 +170,26 @@ struct hami_tctx {
 	__u32 pad;
 };
 
+/* sm_grant value (key hami_gkey): written only by the controller. */
+struct hami_smgrant {
+	__u64 granted;   /* cost units the group may have launched in total */
+	__u32 limited;   /* 0: count only, never stop */
+	__u32 pad;
+};
+
+/* sm_use value (key hami_gkey): changed only by BPF atomics. */
+struct hami_smuse {
+	__u64 consumed;  /* cost units launched in total */
+	__u64 launches;  /* launch calls */
+};
+
 /* config: a single-entry array written by the controller. */
 struct hami_config {
 	__u64 heartbeat_ns;  /* controller's last CLOCK_MONOTONIC tick */
 	__u64 stale_ns;      /* a heartbeat older than this means: controller gone, stop nobody */
 	__u32 flags;         /* HAMI_CFG_* */
 	__u32 oom_action;    /* HAMI_ACT_* */
+	__u64 graph_cost;    /* cost units charged for one cuGraphLaunch (learned by the controller) */
 };
 
 #endif /* HAMI_H */

@@ -77,6 +77,16 @@ BPF_HASH(cur_ctx, __u32, struct hami_tctx, 16384);
  * probes (attached only on demand), deleted at the leader's exit. */
 BPF_HASH(launches, __u32, __u64, HAMI_MAX_PROCS);
 
+/* sm_grant: key hami_gkey (group, physical device) -> hami_smgrant. Written
+ * by the controller on every throttle tick for groups with an SM limit
+ * (granted only grows); deleted with the group. Read by the launch probes. */
+BPF_HASH(sm_grant, struct hami_gkey, struct hami_smgrant, HAMI_MAX_GROUPS * 8);
+
+/* sm_use: key hami_gkey -> hami_smuse. Created by the first launch of a group
+ * on a device, atomically advanced by the launch probes, deleted by the
+ * controller with the group. The controller reads it to measure rates. */
+BPF_HASH(sm_use, struct hami_gkey, struct hami_smuse, HAMI_MAX_GROUPS * 8);
+
 /* config: one hami_config, written by the controller (heartbeat every tick). */
 BPF_ARRAY(config, struct hami_config, 1);
 

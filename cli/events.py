@@ -2,15 +2,32 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 
 import click
 
 from .common import CliError, json_option, socket_option
 
+# Kinds the daemon records (hami_bpf/daemon.py Daemon.record), styled on a terminal.
+KIND_STYLE = {
+    "register": {"fg": "green"},
+    "compact": {"fg": "cyan"},
+    "group": {"fg": "cyan"},
+    "deny": {"fg": "red", "bold": True},
+    "error": {"fg": "red", "bold": True},
+    "fallback": {"fg": "yellow"},
+    "config": {"fg": "yellow"},
+    "limit": {"fg": "blue"},
+    "throttle": {"fg": "magenta"},
+    "recover": {"fg": "magenta"},
+    "probes": {"fg": "blue"},
+}
+
 
 @click.command()
-@click.option("-f", "--follow", is_flag=True, help="Keep polling for new events (Ctrl-C stops).")
+@click.option("-f", "--follow", is_flag=True,
+              help="Keep polling for new events (Ctrl-C stops); survives a daemon restart.")
 @json_option
 @socket_option
 @click.option("--since", type=click.IntRange(min=0), default=0, show_default=True,
@@ -18,20 +35,46 @@ from .common import CliError, json_option, socket_option
 @click.option("--interval", type=click.FloatRange(min=0.05), default=1.0, show_default=True,
               help="Seconds between polls with --follow.")
 def events(follow, as_json, socket_path, since, interval):
-    """Print registrations, exits, compactions, denials... (JSON lines with --json)."""
+    """Print registrations, compactions (with slot moves), denials, limits,
+    fallbacks, errors... one per line: TIME KIND MESSAGE (JSON lines with --json)."""
     from hami_bpf.server import ServerError, fetch_events
 
-    from .render import format_event
+    from .render import event_parts
 
+    color = not as_json and sys.stdout.isatty()
+    last_ts = 0.0
+    connected = False
+    lost = False
     try:
         while True:
             try:
-                batch, since = fetch_events(socket_path, since)
+                if lost:
+                    # Back after an outage. A restarted daemon numbers its
+                    # events from 1 again: read them all, skip what was printed.
+                    batch, since = fetch_events(socket_path, 0)
+                    batch = [ev for ev in batch if ev.ts > last_ts]
+                    click.echo("hami-bpf: reconnected", err=True)
+                    lost = False
+                else:
+                    batch, since = fetch_events(socket_path, since)
+                connected = True
             except ServerError as e:
-                raise CliError(str(e)) from None
+                if not (follow and connected):
+                    raise CliError(str(e)) from None
+                if not lost:
+                    click.echo(f"hami-bpf: reconnecting: {e}", err=True)
+                lost = True
+                time.sleep(interval)
+                continue
             for ev in batch:
-                click.echo(json.dumps(ev.to_json(), separators=(",", ":")) if as_json
-                           else format_event(ev))
+                last_ts = max(last_ts, ev.ts)
+                if as_json:
+                    click.echo(json.dumps(ev.to_json(), separators=(",", ":")))
+                    continue
+                ts, kind, message = event_parts(ev)
+                if color:
+                    kind = click.style(kind, **KIND_STYLE.get(ev.kind, {}))
+                click.echo(f"{ts}  {kind}  {message}")
             if not follow:
                 return
             time.sleep(interval)

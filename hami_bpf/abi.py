@@ -36,6 +36,7 @@ EV_EXIT = 6
 EV_MEMINFO = 7
 EV_TOTALMEM = 8
 EV_CTX = 9
+EV_THROTTLE = 10
 
 KIND_PTR = 0
 KIND_HANDLE = 1
@@ -67,7 +68,8 @@ STAT_DENIALS = 4
 STAT_STOPS = 5
 STAT_STALE_SKIPS = 6
 STAT_CTX_FULL = 7
-STAT_MAX = 8
+STAT_THROTTLES = 8
+STAT_MAX = 9
 
 STAT_NAMES = {
     STAT_RB_DROPS: "ringbuf_drops",
@@ -78,6 +80,7 @@ STAT_NAMES = {
     STAT_STOPS: "bpf_stops",
     STAT_STALE_SKIPS: "stale_heartbeat_skips",
     STAT_CTX_FULL: "ctx_map_full",
+    STAT_THROTTLES: "bpf_throttles",
 }
 
 ACTION_NAMES = {
@@ -171,7 +174,16 @@ class Config(ct.Structure):
         ("stale_ns", ct.c_uint64),
         ("flags", ct.c_uint32),
         ("oom_action", ct.c_uint32),
+        ("graph_cost", ct.c_uint64),
     ]
+
+
+class SmGrant(ct.Structure):
+    _fields_ = [("granted", ct.c_uint64), ("limited", ct.c_uint32), ("pad", ct.c_uint32)]
+
+
+class SmUse(ct.Structure):
+    _fields_ = [("consumed", ct.c_uint64), ("launches", ct.c_uint64)]
 
 
 # C struct name -> mirror, for the layout test.
@@ -189,6 +201,8 @@ STRUCTS = {
     "hami_ckey": CKey,
     "hami_tctx": TCtx,
     "hami_config": Config,
+    "hami_smgrant": SmGrant,
+    "hami_smuse": SmUse,
 }
 
 

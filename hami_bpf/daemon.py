@@ -25,13 +25,19 @@ from .events import (GroupLimitSet, LaunchesCounted, MemoryAllocated, MemoryFree
                      ProcessRegistered, ProcKey)
 from .limits import (EnvLimits, PolicyError, effective_limits, load_policy, parse_env_limits,
                      physical_to_visible, visible_to_physical)
+from .metrics import observe_exit_latency
 from .slots import SlotTable
+from .throttle import Budget, shares, tick as budget_tick
 from .snapshot import (SCHEMA_VERSION, DeviceInfo, DeviceUsage, EventRecord, GroupInfo, ProcessInfo,
                        SlotInfo, Snapshot)
 
 log = logging.getLogger("hami_bpf")
 
 POLL_MS = 100
+THROTTLE_TICK_S = 0.05
+RESUME_MARGIN_S = 0.02
+THROTTLED_SHOWN_S = 1.0   # a group held back within this long shows as throttled
+GRAPH_COST = 4096          # cost units per cuGraphLaunch (feedback corrects it where NVML is)
 HEARTBEAT_STALE_NS = 2_000_000_000
 REAP_EVERY_S = 1.0
 SWEEP_EVERY_S = 10.0
@@ -173,6 +179,18 @@ class Devices:
         n = int(os.environ.get("FAKECUDA_DEVICES", "2") or 2)
         return cls(max(1, min(n, abi.MAX_DEVS)), simulated)
 
+    def utilization(self) -> dict[int, float | None]:
+        """Device-level SM utilization, percent (NVML in the GPU VM lists no processes)."""
+        import pynvml
+        out = {}
+        for i in range(self.count):
+            try:
+                out[i] = float(pynvml.nvmlDeviceGetUtilizationRates(
+                    pynvml.nvmlDeviceGetHandleByIndex(i)).gpu)
+            except Exception:
+                out[i] = None
+        return out
+
     def infos(self) -> tuple[DeviceInfo, ...]:
         if self.nvml:
             import pynvml
@@ -186,8 +204,9 @@ class Devices:
                         util = float(pynvml.nvmlDeviceGetUtilizationRates(h).gpu)
                     except Exception:
                         util = None
+                    uuid = next((u for u, j in self.uuid_to_index.items() if j == i), None)
                     out.append(DeviceInfo(i, name.decode() if isinstance(name, bytes) else name,
-                                          int(mem.total), int(mem.used), util, False))
+                                          int(mem.total), int(mem.used), util, False, uuid=uuid))
                 except Exception:
                     out.append(DeviceInfo(i, "N/A", None, None, None, False))
             return tuple(out)
@@ -226,6 +245,15 @@ class Daemon:
         self.table = SlotTable()
         self.info: dict[int, ProcInfo] = {}
         self.denied: collections.Counter[int] = collections.Counter()
+        # SM limiting: caps per group and physical device (percent), budgets per
+        # (group index, device), and the pids we hold stopped per throttled group.
+        self.sm_caps: dict[str, dict[int, int]] = {}
+        self.budgets: dict[tuple[int, int], Budget] = {}
+        self.throttled: dict[str, set[int]] = {}
+        self.throttle_since: dict[str, float] = {}
+        self._prev_use: dict[tuple[int, int], tuple[float, int]] = {}
+        self.last_throttled: dict[str, float] = {}
+        self.sm_share: dict[tuple[int, int], float | None] = {}
         self.events_log: collections.deque[EventRecord] = collections.deque(maxlen=EVENT_LOG_LEN)
         self._seq = 0
         self._log_lock = threading.Lock()
@@ -338,6 +366,7 @@ class Daemon:
         from . import libcuda, probes
         cfg = self.cfg
         self._choose_libs()
+        self._lock_libs()
         self._load_policy()
         reg_write, pwu = self._choose_mechanisms()
         self.devices = Devices.discover(self.simulated)
@@ -364,6 +393,7 @@ class Daemon:
         else:
             self.mechanisms["admission"] = "from first classified call"
         self.probes.set_config(flags=flags, oom_action=self.oom_action, stale_ns=HEARTBEAT_STALE_NS)
+        self.probes.set_graph_cost(GRAPH_COST)
         self.probes.heartbeat()
         self.probes.open_events(self._on_event)
         self.entry_ok: dict[str, dict[str, tuple[bool, str]]] = {}
@@ -407,6 +437,24 @@ class Daemon:
         log.info("ready: %s; oom=%s meminfo=%s; socket %s", ", ".join(map(str, self.libs)),
                  self.mechanisms["oom"], self.mechanisms["meminfo"], cfg.socket)
 
+    def _lock_libs(self) -> None:
+        """One controller per library: two would both stop, rewrite and resume
+        the same processes. The lock dies with the process, SIGKILL included."""
+        import fcntl
+        lockdir = "/run/lock" if os.path.isdir("/run/lock") else "/tmp"
+        self._locks = []
+        for lib in self.libs:
+            st = lib.stat()
+            path = f"{lockdir}/hami-bpf-{st.st_dev}-{st.st_ino}.lock"
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise DaemonError(f"another hami-bpf daemon is attached to {lib} "
+                                  f"(lock {path} is held)") from None
+            self._locks.append(fd)
+
     def _recover_bpf_stops(self) -> None:
         """Finish what a previous controller left: processes its probes stopped
         before it could act (it was SIGKILLed). Such a thread sits exactly one
@@ -416,7 +464,8 @@ class Daemon:
         released. Other stopped processes are not ours: left alone."""
         from . import libcuda, probes
         for lib in self.libs:
-            offs = libcuda.symbol_file_offsets(lib, probes.ALLOC_SYMBOLS + ("cuInit",))
+            offs = libcuda.symbol_file_offsets(lib, probes.ALLOC_SYMBOLS + probes.LAUNCH_SYMBOLS
+                                               + ("cuInit",))
             for pid in pids_mapping(lib):
                 if pid == os.getpid():
                     continue
@@ -430,10 +479,10 @@ class Daemon:
                     sym = entries.get(pc - 1) if pc else None
                     if sym is None:
                         continue
-                    if sym == "cuInit":
+                    if sym == "cuInit" or sym in probes.LAUNCH_PROBES:
                         enforce.resume(pid)
-                        self.record("recover", f"pid {pid}: released from a hold at cuInit left by "
-                                    "a previous run", pid=pid)
+                        self.record("recover", f"pid {pid}: released from a hold at {sym} left by "
+                                    "a previous run", pid=pid, symbol=sym)
                         continue
                     try:
                         enforce.fail_call(pid, tid, pc - 1, stopped=self.stopped)
@@ -455,8 +504,10 @@ class Daemon:
         last_reap = last_sweep = time.monotonic()
         while not self._stop.is_set():
             self.probes.heartbeat()
-            self.probes.poll(POLL_MS)
+            self.probes.poll(int(THROTTLE_TICK_S * 1000) if self.sm_caps else POLL_MS)
             now = time.monotonic()
+            if self.sm_caps:
+                self._throttle_tick(now)
             if now - last_reap >= REAP_EVERY_S:
                 self._reap()
                 last_reap = now
@@ -464,7 +515,7 @@ class Daemon:
                 live = {p.key.pid for p in self.table.processes()} | self.probes.bpf_procs()
                 self.probes.sweep(live)
                 last_sweep = now
-            if self._dirty or self.cfg.count_launches:
+            if self._dirty or self.cfg.count_launches or self.sm_caps:
                 self._rebuild_snapshot()
 
     def stop(self) -> None:
@@ -539,6 +590,8 @@ class Daemon:
             self._deny(e)
         elif e.kind in (abi.EV_MEMINFO, abi.EV_TOTALMEM):
             self._meminfo(e)
+        elif e.kind == abi.EV_THROTTLE:
+            self._throttle(e)
 
     def _register(self, pid: int, ts_ns: int, comm: str = "", existing: bool = False) -> None:
         st = enforce.proc_start_time(pid)
@@ -575,8 +628,9 @@ class Daemon:
             vis = physical_to_visible(dev, cvd, self.devices.uuid_to_index) if cvd is not None else dev
             if vis is None and cvd is not None:
                 continue  # this process can't see the device
-            mem, _sm = effective_limits(self.policy, group, info.env if info and self.cfg.env_limits else None,
-                                        dev, visible_index=vis)
+            mem, sm = effective_limits(self.policy, group, info.env if info and self.cfg.env_limits else None,
+                                       dev, visible_index=vis)
+            self._apply_sm_cap(group, dev, sm)
             old = current.get(dev)
             new = mem if old is None else (old if mem is None else min(old, mem))
             if new != old:
@@ -584,6 +638,115 @@ class Daemon:
                 self._sync_bpf_limit(group, dev)
                 self.record("limit", f"group {group!r} device {dev}: limit {new} bytes",
                             group=group, device=dev, limit=new)
+
+    def _apply_sm_cap(self, group: str, dev: int, sm: int | None) -> None:
+        """Like memory: a member can lower its group's SM cap, never raise it."""
+        if sm is None or sm <= 0 or sm >= 100:
+            return
+        caps = self.sm_caps.setdefault(group, {})
+        old = caps.get(dev)
+        if old is not None and old <= sm:
+            return
+        caps[dev] = sm
+        self.record("limit", f"group {group!r} device {dev}: SM cap {sm}%", group=group,
+                    device=dev, sm=sm)
+        self._sync_launch_probes()
+
+    def _sync_launch_probes(self) -> None:
+        """Launch probes cost ~1 us per launch: attached only while a group has an
+        SM cap (or --count-launches asks), detached when the last one goes."""
+        want = bool(self.cfg.count_launches or self.sm_caps)
+        have = self.probes.launch_probes_attached() > 0
+        if want and not have:
+            from . import libcuda
+            for lib in self.libs:
+                self.probes.attach_launch(str(lib), libcuda.cuda_symbols(lib))
+            self.record("probes", f"launch probes attached ({self.probes.launch_probes_attached()})")
+        elif have and not want:
+            for lib in self.libs:
+                self.probes.detach_launch(str(lib))
+            self.record("probes", "launch probes detached: no SM cap left")
+        self.mechanisms["launch"] = ("throttling uprobes" if self.sm_caps else
+                                     "counting uprobes" if self.cfg.count_launches else "off")
+
+    def _throttle_tick(self, now: float) -> None:
+        use = self.probes.sm_use()
+        rates: dict[int, dict[tuple[int, int], float]] = collections.defaultdict(dict)
+        for key, (consumed, _n) in use.items():
+            prev = self._prev_use.get(key)
+            if prev and now > prev[0]:
+                rates[key[1]][key] = max(0, consumed - prev[1]) / (now - prev[0])
+            self._prev_use[key] = (now, consumed)
+        util = self.devices.utilization() if self.devices.nvml else {}
+        share = {}
+        for dev, r in rates.items():
+            share.update(shares(util.get(dev), r))
+        for group, caps in list(self.sm_caps.items()):
+            g = self.table.group(group)
+            if g is None:
+                continue
+            room = True
+            for dev, cap in caps.items():
+                key = (g.index, dev)
+                b = self.budgets.get(key)
+                if b is None:
+                    b = self.budgets[key] = Budget(cap=cap)
+                b.cap = cap
+                consumed = use.get(key, (0, 0))[0]
+                granted = budget_tick(b, now=now, consumed=consumed, share=share.get(key))
+                self.probes.set_sm_grant(g.index, dev, granted, True)
+                # Resume with some budget in hand, not a sliver: fewer, longer holds.
+                margin = (b.rate or 0) * RESUME_MARGIN_S
+                room = room and consumed + margin < granted
+                self.sm_share[key] = (share.get(key) if share.get(key) is not None else
+                                      (100.0 * rates.get(dev, {}).get(key, 0) / b.full_rate
+                                       if b.full_rate else None))
+            if room and group in self.throttled:
+                self._resume_group(group)
+            if group in self.throttled:
+                self.last_throttled[group] = now
+
+    def _group_share(self, group_index: int) -> float | None:
+        vals = [v for (gi, _d), v in self.sm_share.items() if gi == group_index and v is not None]
+        return round(max(vals), 1) if vals else None
+
+    def _throttle(self, e: abi.Event) -> None:
+        """A launch found its group's budget spent and BPF stopped its process:
+        stop the rest of the group too, so peers are held and released together."""
+        pid = e.tgid
+        view = self.table.process(pid)
+        if view is None or view.group not in self.sm_caps:
+            enforce.resume(pid)
+            return
+        group = view.group
+        held = self.throttled.setdefault(group, set())
+        self.last_throttled[group] = time.monotonic()
+        if not held:
+            self.throttle_since[group] = time.monotonic()
+            self.counters["throttle_episodes"] += 1
+        g = self.table.group(group)
+        new = []
+        for key in (g.slots if g else ()):
+            if key.pid in held:
+                continue
+            if key.pid != pid:
+                try:
+                    os.kill(key.pid, signal.SIGSTOP)
+                except ProcessLookupError:
+                    continue
+            held.add(key.pid)
+            new.append((key.pid, key.start_time))
+        if new:
+            self.stopped.add_many(new, f"SM cap of group {group}")
+
+    def _resume_group(self, group: str) -> None:
+        held = self.throttled.pop(group, set())
+        since = self.throttle_since.pop(group, None)
+        if since is not None:
+            self.counters["throttle_ms"] += int((time.monotonic() - since) * 1000)
+        for pid in held:
+            enforce.resume(pid)   # exactly once per hold
+        self.stopped.remove_many(held)
 
     def _context_reserve(self, group: str, dev: int) -> int:
         """Bytes the group's contexts hold on the device: one per member using it."""
@@ -616,7 +779,9 @@ class Daemon:
         if self.table.resolve(pid) is None:
             return
         self._act(self.table.apply(ProcessExited(pid, None, ts_ns)))
-        self.exit_latency_ns.append(max(0, time.monotonic_ns() - ts_ns))
+        lat = max(0, time.monotonic_ns() - ts_ns)
+        self.exit_latency_ns.append(lat)
+        observe_exit_latency(self.counters, lat)
 
     def _act(self, actions, new_pid: int | None = None, existing: bool = False) -> None:
         self._after_release = []
@@ -637,6 +802,10 @@ class Daemon:
                     self.counters["slot_write_after_exit"] += 1
             elif isinstance(a, ReleaseProcess):
                 self.info.pop(a.key.pid, None)
+                held = self.throttled.get(a.group)
+                if held and a.key.pid in held:
+                    held.discard(a.key.pid)
+                    self.stopped.remove(a.key.pid)
                 if self.ctx_bytes:
                     self._after_release.append((a.group, tuple(a.released)))
                 self.denied.pop(a.key.pid, None)
@@ -644,6 +813,16 @@ class Daemon:
                     self.probes.delete_proc_cfg(a.key.pid)
             elif isinstance(a, DeleteGroup):
                 self.probes.delete_group(a.index)
+                self.last_throttled.pop(a.name, None)
+                for key in [k for k in self.sm_share if k[0] == a.index]:
+                    del self.sm_share[key]
+                self.throttled.pop(a.name, None)
+                self.throttle_since.pop(a.name, None)
+                for key in [k for k in self.budgets if k[0] == a.index]:
+                    del self.budgets[key]
+                    self._prev_use.pop(key, None)
+                if self.sm_caps.pop(a.name, None):
+                    self._sync_launch_probes()
                 self.record("group", f"group {a.name!r} is empty: deleted", group=a.name)
             elif isinstance(a, Compacted):
                 moves = [{"pid": k.pid, "from": f, "to": t} for k, f, t in a.moves]
@@ -736,12 +915,14 @@ class Daemon:
 
     def _rebuild_snapshot(self) -> None:
         self._dirty = False
-        launches = self.probes.launches() if (self.probes and self.cfg.count_launches) else {}
+        counting = self.probes is not None and self.probes.launch_probes_attached() > 0
+        launches = self.probes.launches() if counting else {}
         denied_by_group: dict[int, int] = collections.Counter()
         if self.probes:
             for (gidx, _dev), (_used, denied) in self.probes.group_mem().items():
                 denied_by_group[gidx] += denied
         procs = []
+        now = time.monotonic()
         for p in self.table.processes():
             limits = self.table.limits(p.group)
             devs = {d: DeviceUsage(u, limits.get(d)) for d, u in p.used.items()}
@@ -749,8 +930,14 @@ class Daemon:
             procs.append(ProcessInfo(
                 pid=p.key.pid, start_time=p.key.start_time, comm=p.comm, group=p.group, slot=p.slot,
                 devices=devs,
-                launches=launches.get(p.key.pid, 0) if self.cfg.count_launches else None,
-                state=info.state if info else "running", denied=self.denied.get(p.key.pid, 0),
+                launches=launches.get(p.key.pid, 0) if counting else None,
+                state="throttled" if (p.key.pid in self.throttled.get(p.group, ()) or
+                                      now - self.last_throttled.get(p.group, -1e9) < THROTTLED_SHOWN_S)
+                else "running",
+                sm_share=self._group_share(p.group_index),
+                visible_devices={phys: vis for vis, phys in enumerate(info.phys[:self.devices.count])
+                                 if phys != vis} if info else {},
+                denied=self.denied.get(p.key.pid, 0),
                 ns_pid=info.ns_pid if info else None))
         groups = []
         for g in self.table.groups():
@@ -758,7 +945,8 @@ class Daemon:
                     for d in sorted(set(g.used) | {d for d, v in g.limits.items() if v is not None})}
             groups.append(GroupInfo(id=g.name, index=g.index, proc_num=g.proc_num,
                                     slots=tuple(SlotInfo(i, k.pid, k.start_time) for i, k in enumerate(g.slots)),
-                                    devices=devs, denied=denied_by_group.get(g.index, 0)))
+                                    devices=devs, denied=denied_by_group.get(g.index, 0),
+                                    sm_limit=min(self.sm_caps[g.name].values()) if self.sm_caps.get(g.name) else None))
         counters = dict(self.table.stats)
         counters.update(self.counters)
         if self.probes:

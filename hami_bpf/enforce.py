@@ -508,6 +508,19 @@ class StoppedSet:
             if self._records.pop(pid, None) is not None:
                 self._save()
 
+    def add_many(self, items: list[tuple[int, int | None]], reason: str = "") -> None:
+        """Record several pids with one write (a throttled group stops together)."""
+        with self._lock:
+            now = time.time()
+            for pid, start_time in items:
+                self._records[pid] = StoppedRecord(pid, start_time, reason, now)
+            self._save()
+
+    def remove_many(self, pids) -> None:
+        with self._lock:
+            if [self._records.pop(p, None) for p in pids].count(None) != len(list(pids)):
+                self._save()
+
     def pids(self) -> list[int]:
         with self._lock:
             return sorted(self._records)

@@ -8,15 +8,20 @@ Per-process memory series reuse the metric names of HAMi's vGPU monitor
 (hami_vgpu_memory_used_bytes / hami_vgpu_memory_limit_bytes) and its label
 names for the same things: "vdevice_index" for the device ordinal the process
 sees, and "namespace", "pod", "container" when the snapshot knows them. Our
-own labels are "group" and "pid".
+own labels are "group" and "pid". Device metrics use HAMi's host names
+(hami_host_gpu_memory_used_bytes, hami_host_gpu_utilization_ratio) and labels.
+Everything else is hami_bpf_*. The table of all series is in docs/cli.md.
 """
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import threading
 from typing import Callable, Iterator
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
+                                   HistogramMetricFamily, Metric)
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from .config import parse_host_port
@@ -27,13 +32,72 @@ log = logging.getLogger(__name__)
 
 K8S_LABELS = ("namespace", "pod", "container")
 
+# snapshot.counters key -> (metric, help, scale). Absent keys are not exported
+# (a counter we do not have is not invented as 0).
 _COUNTERS = (
-    ("hami_bpf_denials_total", COUNTER_DENIALS, "Allocations refused because of a limit."),
-    ("hami_bpf_compactions_total", COUNTER_COMPACTIONS, "Slot table compactions."),
+    ("hami_bpf_denials_total", COUNTER_DENIALS, "Allocations refused because of a limit.", 1),
+    ("hami_bpf_compactions_total", COUNTER_COMPACTIONS,
+     "Slot table compactions (one per exited process).", 1),
     ("hami_bpf_ringbuf_drops_total", COUNTER_RINGBUF_DROPS,
-     "Events lost because the BPF ring buffer was full."),
-    ("hami_bpf_events_total", COUNTER_EVENTS, "Events received from the BPF programs."),
+     "Events lost because the BPF ring buffer was full.", 1),
+    ("hami_bpf_events_total", COUNTER_EVENTS, "Events received from the BPF programs.", 1),
+    ("hami_bpf_throttle_episodes_total", "throttle_episodes",
+     "Times a process was held back to keep its group under its SM cap.", 1),
+    ("hami_bpf_throttle_seconds_total", "throttle_ms",
+     "Time processes spent held back by SM caps, in seconds.", 1e-3),
+    ("hami_bpf_reaped_total", "reaped",
+     "Exited processes found by the /proc reaper because their exit event was lost.", 1),
 )
+
+# Probe and handler failures: snapshot.counters key -> value of the `kind` label
+# of hami_bpf_probe_errors_total.
+PROBE_ERROR_KINDS = {
+    "handler_errors": "handler",            # the controller failed to handle an event
+    "enforce_errors": "enforce",            # stop-and-rewrite failed
+    "enforce_refused": "enforce_refused",   # stop-and-rewrite refused, call let through
+    "allocs_map_full": "allocs_map_full",   # BPF maps full: an allocation was not recorded
+    "inflight_map_full": "inflight_map_full",
+    "procs_map_full": "procs_map_full",
+    "ctx_map_full": "ctx_map_full",
+}
+
+# Exit-to-compaction latency (process death -> slot table compacted), in the
+# daemon's counters as a cumulative histogram:
+#   exit_latency_count, exit_latency_sum_ns, exit_latency_le_<NS> (observations <= NS)
+EXIT_LATENCY_BUCKETS_NS = tuple(int(x * 1e6) for x in (
+    0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000, 2500))
+EXIT_LATENCY_COUNT = "exit_latency_count"
+EXIT_LATENCY_SUM = "exit_latency_sum_ns"
+EXIT_LATENCY_BUCKET = "exit_latency_le_{}"
+
+
+def observe_exit_latency(counters, latency_ns: int) -> None:
+    """Add one exit-to-compaction latency to a collections.Counter of snapshot
+    counters (for the daemon; the exporter turns them into a histogram)."""
+    latency_ns = max(0, int(latency_ns))
+    counters[EXIT_LATENCY_COUNT] += 1
+    counters[EXIT_LATENCY_SUM] += latency_ns
+    for b in EXIT_LATENCY_BUCKETS_NS:
+        if latency_ns <= b:
+            counters[EXIT_LATENCY_BUCKET.format(b)] += 1
+
+
+def _exit_latency(counters) -> HistogramMetricFamily | None:
+    if EXIT_LATENCY_COUNT not in counters:
+        return None
+    h = HistogramMetricFamily(
+        "hami_bpf_exit_compaction_latency_seconds",
+        "Time from a process's death (exit tracepoint) to its slot being compacted.")
+    buckets = [(repr(b / 1e9), counters.get(EXIT_LATENCY_BUCKET.format(b), 0))
+               for b in EXIT_LATENCY_BUCKETS_NS]
+    buckets.append(("+Inf", counters[EXIT_LATENCY_COUNT]))
+    h.add_metric([], buckets, counters.get(EXIT_LATENCY_SUM, 0) / 1e9)
+    return h
+
+
+def node_name() -> str:
+    """HAMi's `node` label: $NODE_NAME (set by Kubernetes manifests), else the host name."""
+    return os.environ.get("NODE_NAME") or socket.gethostname()
 
 
 class MetricsError(Exception):
@@ -43,6 +107,7 @@ class MetricsError(Exception):
 class SnapshotCollector(Collector):
     def __init__(self, get_snapshot: Callable[[], Snapshot]) -> None:
         self._get_snapshot = get_snapshot
+        self._node = node_name()
 
     def collect(self) -> Iterator[Metric]:
         try:
@@ -52,38 +117,115 @@ class SnapshotCollector(Collector):
             # the process metrics too.
             log.exception("metrics: cannot get snapshot")
             return
+        yield from self._devices(snap)
+        yield from self._processes(snap)
+        yield from self._groups(snap)
+        yield from self._counters(snap)
+
+    def _devices(self, snap: Snapshot) -> Iterator[Metric]:
+        """HAMi's host metrics, with its labels (device_uuid empty when unknown,
+        device_type "NVIDIA-<name>" as HAMi writes it)."""
+        mem = GaugeMetricFamily("hami_host_gpu_memory_used_bytes",
+                                "Device memory in use on the GPU (all processes), in bytes.",
+                                labels=["node", "device_index", "device_uuid", "device_type"])
+        util = GaugeMetricFamily("hami_host_gpu_utilization_ratio",
+                                 "GPU core utilization, percent (0-100).",
+                                 labels=["node", "device_index", "device_uuid", "device_type"])
+        total = GaugeMetricFamily("hami_bpf_device_memory_total_bytes",
+                                  "Device memory of the GPU, in bytes.",
+                                  labels=["device_index", "device_uuid", "simulated"])
+        for d in snap.devices:
+            labels = [self._node, str(d.index), d.uuid or "",
+                      d.name if d.simulated else f"NVIDIA-{d.name}"]
+            if d.used_bytes is not None:
+                mem.add_metric(labels, float(d.used_bytes))
+            if d.utilization is not None:
+                util.add_metric(labels, float(d.utilization))
+            if d.total_bytes is not None:
+                total.add_metric([str(d.index), d.uuid or "", str(d.simulated).lower()],
+                                 float(d.total_bytes))
+        yield mem
+        yield util
+        yield total
+
+    def _processes(self, snap: Snapshot) -> Iterator[Metric]:
+        uuids = {d.index: d.uuid for d in snap.devices if d.uuid}
         used = Metric("hami_vgpu_memory_used_bytes",
                       "Device memory a process has allocated on one device, in bytes.", "gauge")
         limit = Metric("hami_vgpu_memory_limit_bytes",
                        "Device memory limit that applies to the process on one device, in bytes "
                        "(absent when unlimited).", "gauge")
+        share = Metric("hami_container_device_utilization_ratio",
+                       "Achieved SM share of the process, percent of the device (absent when "
+                       "not measured).", "gauge")
+        denied = Metric("hami_bpf_process_denials", "Allocations of the process refused.",
+                        "counter")
+        state = Metric("hami_bpf_process_state",
+                       "1 for the process's state: running, throttled (held to its group's SM "
+                       "cap) or stopped (by hami-bpf).", "gauge")
         for p in snap.processes:
             base = {"group": p.group, "pid": str(p.pid)}
             # Only labels we know: an empty label would read as "known to be empty".
             base.update({k: p.labels[k] for k in K8S_LABELS if p.labels.get(k)})
             for dev, u in p.devices.items():
-                labels = {**base, "vdevice_index": str(dev)}
+                # vdevice_index is the ordinal the process sees (as in HAMi);
+                # device_uuid names the physical device when NVML told us.
+                labels = {**base, "vdevice_index": str(p.visible_index(dev))}
+                if dev in uuids:
+                    labels["device_uuid"] = uuids[dev]
                 used.add_sample(used.name, labels, float(u.used_bytes))
                 if u.limit_bytes is not None:
                     limit.add_sample(limit.name, labels, float(u.limit_bytes))
+            if p.sm_share is not None:
+                share.add_sample(share.name, base, float(p.sm_share))
+            denied.add_sample(denied.name + "_total", base, float(p.denied))
+            state.add_sample(state.name, {**base, "state": p.state}, 1.0)
         yield used
         yield limit
+        yield share
+        yield denied
+        yield state
 
         procs = GaugeMetricFamily("hami_bpf_processes", "CUDA processes being tracked.")
         procs.add_metric([], len(snap.processes))
         yield procs
 
+    def _groups(self, snap: Snapshot) -> Iterator[Metric]:
         slots = GaugeMetricFamily("hami_bpf_group_slots", "Slots in use in a group's slot table.",
                                   labels=["group"])
+        sm = GaugeMetricFamily("hami_bpf_group_sm_limit_percent",
+                               "The group's SM cap, percent (absent when uncapped).",
+                               labels=["group"])
+        denied = CounterMetricFamily("hami_bpf_group_denials",
+                                     "Allocations of the group's processes refused in the kernel.",
+                                     labels=["group"])
         for g in snap.groups:
             slots.add_metric([g.id], g.proc_num)
+            if g.sm_limit is not None:
+                sm.add_metric([g.id], g.sm_limit)
+            denied.add_metric([g.id], g.denied)
         yield slots
+        yield sm
+        yield denied
 
-        for name, key, doc in _COUNTERS:
-            if key in snap.counters:
-                c = CounterMetricFamily(name, doc)
-                c.add_metric([], snap.counters[key])
-                yield c
+    def _counters(self, snap: Snapshot) -> Iterator[Metric]:
+        c = snap.counters
+        for name, key, doc, scale in _COUNTERS:
+            if key in c:
+                m = CounterMetricFamily(name, doc)
+                m.add_metric([], c[key] * scale)
+                yield m
+        kinds = [(kind, c[key]) for key, kind in PROBE_ERROR_KINDS.items() if key in c]
+        if kinds:
+            m = CounterMetricFamily("hami_bpf_probe_errors",
+                                    "Failures in the probes or their handling, by kind.",
+                                    labels=["kind"])
+            for kind, v in kinds:
+                m.add_metric([kind], v)
+            yield m
+        h = _exit_latency(c)
+        if h is not None:
+            yield h
 
 
 class MetricsServer:

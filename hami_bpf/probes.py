@@ -50,12 +50,18 @@ CORE_PROBES: dict[str, tuple[str, str | None]] = {
 ALLOC_SYMBOLS = tuple(s for s, (p, _) in CORE_PROBES.items()
                       if p in ("uprobe__cuMemAlloc_v2", "uprobe__cuMemAllocPitch_v2", "uprobe__cuMemCreate"))
 
-LAUNCH_SYMBOLS = (
-    "cuLaunchKernel", "cuLaunchKernel_ptsz",
-    "cuLaunchKernelEx", "cuLaunchKernelEx_ptsz",
-    "cuLaunchCooperativeKernel", "cuLaunchCooperativeKernel_ptsz",
-    "cuGraphLaunch", "cuGraphLaunch_ptsz",
-)
+# Launch entry points -> the program that charges them (attached only on demand).
+LAUNCH_PROBES: dict[str, str] = {
+    "cuLaunchKernel": "uprobe__cuLaunchKernel",
+    "cuLaunchKernel_ptsz": "uprobe__cuLaunchKernel",
+    "cuLaunchCooperativeKernel": "uprobe__cuLaunchKernel",
+    "cuLaunchCooperativeKernel_ptsz": "uprobe__cuLaunchKernel",
+    "cuLaunchKernelEx": "uprobe__cuLaunchKernelEx",
+    "cuLaunchKernelEx_ptsz": "uprobe__cuLaunchKernelEx",
+    "cuGraphLaunch": "uprobe__cuGraphLaunch",
+    "cuGraphLaunch_ptsz": "uprobe__cuGraphLaunch",
+}
+LAUNCH_SYMBOLS = tuple(LAUNCH_PROBES)
 
 BPF_ANY, BPF_NOEXIST, BPF_EXIST = 0, 1, 2
 
@@ -200,7 +206,7 @@ class Probes:
         self._handler: Callable[[abi.Event], None] | None = None
         self.map = {name: self.bpf[name] for name in (
             "procs", "proc_cfg", "pmem", "grp_mem", "grp_lim", "allocs", "inflight",
-            "ctx_dev", "cur_ctx", "launches", "config", "stats")}
+            "ctx_dev", "cur_ctx", "launches", "config", "stats", "sm_grant", "sm_use")}
 
     # attach / detach
 
@@ -233,7 +239,8 @@ class Probes:
             if sym in a.launch or (present is not None and sym not in present):
                 continue
             try:
-                self.bpf.attach_uprobe(name=lib.encode(), sym=sym.encode(), fn_name=b"uprobe__launch")
+                self.bpf.attach_uprobe(name=lib.encode(), sym=sym.encode(),
+                                       fn_name=LAUNCH_PROBES[sym].encode())
                 a.launch.append(sym)
             except Exception as e:
                 log.info("skipping launch probe %s in %s: %s", sym, lib, e)
@@ -325,8 +332,29 @@ class Probes:
         v = abi.GLim(limit=abi.UNLIMITED if limit is None else limit, total=total or 0)
         self._update("grp_lim", key, v, BPF_ANY)
 
+    def set_sm_grant(self, group_index: int, device: int, granted: int, limited: bool) -> None:
+        v = abi.SmGrant(granted=granted, limited=1 if limited else 0)
+        self._update("sm_grant", abi.GKey(group=group_index, device=device), v, BPF_ANY)
+
+    def delete_sm_grant(self, group_index: int, device: int) -> None:
+        t = self.map["sm_grant"]
+        try:
+            del t[t.Key(group=group_index, device=device)]
+        except KeyError:
+            pass
+
+    def sm_use(self) -> dict[tuple[int, int], tuple[int, int]]:
+        """(group index, device) -> (cost consumed, launches), as the launch probes count them."""
+        return {(k.group, k.device): (v.consumed, v.launches) for k, v in self.map["sm_use"].items()}
+
+    def set_graph_cost(self, cost: int) -> None:
+        t = self.map["config"]
+        v = t[ct.c_int(0)]
+        v.graph_cost = max(1, int(cost))
+        t[ct.c_int(0)] = v
+
     def delete_group(self, group_index: int) -> None:
-        for name in ("grp_lim", "grp_mem"):
+        for name in ("grp_lim", "grp_mem", "sm_grant", "sm_use"):
             t = self.map[name]
             for k in [k for k in t.keys() if k.group == group_index]:
                 try:

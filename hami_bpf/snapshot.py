@@ -95,17 +95,30 @@ class ProcessInfo:
     # Orchestrator metadata when known, with HAMi's label names:
     # "namespace", "pod", "container". Empty outside Kubernetes.
     labels: Mapping[str, str] = field(default_factory=dict)
+    # Achieved SM share in percent of the device over the controller's last
+    # measuring interval; None when not measured (no SM limiting, no NVML).
+    sm_share: float | None = None
+    # Physical device ordinal (the keys of `devices`) -> the ordinal the
+    # process sees through CUDA_VISIBLE_DEVICES. Empty = the same ordinals.
+    visible_devices: Mapping[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _freeze_devices(self)
         _set(self, "labels", MappingProxyType({str(k): str(v) for k, v in dict(self.labels).items()}))
+        _set(self, "visible_devices", MappingProxyType(
+            {int(k): int(v) for k, v in dict(self.visible_devices or {}).items()}))
+
+    def visible_index(self, device: int) -> int:
+        """The ordinal this process uses for physical `device`."""
+        return self.visible_devices.get(device, device)
 
     def to_json(self) -> dict:
         return {
             "pid": self.pid, "start_time": self.start_time, "comm": self.comm,
             "group": self.group, "slot": self.slot, "devices": _devices_json(self.devices),
             "launches": self.launches, "state": self.state, "denied": self.denied,
-            "ns_pid": self.ns_pid, "labels": dict(self.labels),
+            "ns_pid": self.ns_pid, "labels": dict(self.labels), "sm_share": self.sm_share,
+            "visible_devices": {str(k): v for k, v in sorted(self.visible_devices.items())},
         }
 
     @classmethod
@@ -115,7 +128,10 @@ class ProcessInfo:
                    devices=_devices_from_json(d.get("devices", {})),
                    launches=d.get("launches"), state=d.get("state", "running"),
                    denied=int(d.get("denied", 0)), ns_pid=d.get("ns_pid"),
-                   labels=d.get("labels") or {})
+                   labels=d.get("labels") or {},
+                   sm_share=None if d.get("sm_share") is None else float(d["sm_share"]),
+                   visible_devices={int(k): int(v)
+                                    for k, v in (d.get("visible_devices") or {}).items()})
 
 
 @dataclass(frozen=True)
@@ -170,17 +186,18 @@ class DeviceInfo:
     used_bytes: int | None
     utilization: float | None     # percent
     simulated: bool
+    uuid: str | None = None       # NVML's "GPU-..." UUID when known
 
     def to_json(self) -> dict:
         return {"index": self.index, "name": self.name, "total_bytes": self.total_bytes,
                 "used_bytes": self.used_bytes, "utilization": self.utilization,
-                "simulated": self.simulated}
+                "simulated": self.simulated, "uuid": self.uuid}
 
     @classmethod
     def from_json(cls, d: Mapping) -> "DeviceInfo":
         return cls(index=int(d["index"]), name=str(d["name"]), total_bytes=d.get("total_bytes"),
                    used_bytes=d.get("used_bytes"), utilization=d.get("utilization"),
-                   simulated=bool(d.get("simulated", False)))
+                   simulated=bool(d.get("simulated", False)), uuid=d.get("uuid"))
 
 
 @dataclass(frozen=True)

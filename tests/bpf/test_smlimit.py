@@ -1,0 +1,168 @@
+"""SM limiting with real launch probes on real (stand-in libcuda) processes.
+
+The stand-in's launches busy-wait FAKECUDA_LAUNCH_NS, so a launch loop looks
+like a GPU-bound workload. Caps come from HAMi's CUDA_DEVICE_SM_LIMIT.
+These tests assert behaviour (stopped, resumed, never stopped, probes attached
+or not); throughput ratios are measured by bench/, not here.
+"""
+from __future__ import annotations
+
+import signal
+import threading
+import time
+import uuid
+
+import pytest
+
+from hami_bpf.fakecuda import CudaProc, FakeCudaError, build
+from helpers import Daemon, finish_daemon, stopped_pids, wait_for
+
+pytestmark = pytest.mark.bpf
+
+LAUNCH_NS = "3000"
+
+
+def state(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
+def spawn(fake, group: str, sm: int | None = None, **extra) -> CudaProc:
+    env = {"HAMI_GROUP": group, "FAKECUDA_LAUNCH_NS": LAUNCH_NS, **extra}
+    if sm is not None:
+        env["CUDA_DEVICE_SM_LIMIT"] = str(sm)
+    p = CudaProc(fake, env=env)
+    p.cmd("init")
+    p.cmd("device 0")
+    return p
+
+
+class Launching:
+    """`launch N` in the background, sampling the process states meanwhile."""
+
+    def __init__(self, p: CudaProc, n: int, watch: tuple[int, ...] = ()):
+        self.p, self.reply, self.samples = p, None, []
+        self.watch = (p.pid,) + tuple(watch)
+        p.send(f"launch {n}")
+        self.t = threading.Thread(target=self._wait)
+        self.t.start()
+
+    def _wait(self):
+        try:
+            self.reply = self.p.reply(timeout=120)
+        except FakeCudaError as e:   # the test killed it
+            self.reply = {"error": str(e)}
+
+    def sample_until_done(self):
+        while self.t.is_alive():
+            self.samples.append(tuple(state(pid) for pid in self.watch))
+            time.sleep(0.005)
+        self.t.join()
+        return self.samples
+
+
+def launch_probes(d: Daemon) -> int:
+    return int(d.snapshot()["counters"].get("launch_probes", 0))
+
+
+@pytest.fixture(scope="module")
+def daemon(fakecuda):
+    d = Daemon(fakecuda).start()
+    yield d
+    finish_daemon(d)
+
+
+def test_no_cap_means_no_launch_probe(daemon, fakecuda):
+    assert launch_probes(daemon) == 0
+    p = spawn(fakecuda, f"free-{uuid.uuid4().hex[:6]}")
+    try:
+        run = Launching(p, 20000)
+        samples = run.sample_until_done()
+        assert run.reply["rc"] == "0"
+        assert all(s[0] != "T" for s in samples), "an uncapped process was stopped"
+        assert launch_probes(daemon) == 0
+        assert next(x for x in daemon.snapshot()["processes"] if x["pid"] == p.pid)["launches"] is None
+    finally:
+        p.close()
+
+
+def test_capped_group_is_stopped_and_resumed_uncapped_never(daemon, fakecuda):
+    g = f"cap-{uuid.uuid4().hex[:6]}"
+    capped = spawn(fakecuda, g, sm=30)
+    idle_peer = spawn(fakecuda, g, sm=30)      # same group, not launching
+    free = spawn(fakecuda, f"free-{uuid.uuid4().hex[:6]}")
+    try:
+        wait_for(lambda: None if launch_probes(daemon) > 0 else "no launch probe yet", 5,
+                 what="launch probes attached for the first SM cap")
+        run_free = Launching(free, 150000)
+        run = Launching(capped, 150000, watch=(idle_peer.pid,))
+        samples = run.sample_until_done()
+        run_free.sample_until_done()
+        assert run.reply["rc"] == "0" and run_free.reply["rc"] == "0"
+        assert any(s[0] == "T" for s in samples), "the capped process was never stopped"
+        # Held together: while the launcher was held, its idle peer was too.
+        assert any(s == ("T", "T") for s in samples), "the group's idle peer was never held"
+        assert all(s != "T" for s in (x[0] for x in run_free.samples)), "uncapped process stopped"
+        # Resumed: nothing of ours is left stopped once the work is done.
+        wait_for(lambda: None if state(idle_peer.pid) != "T" else "peer still stopped", 2,
+                 what="peer resumed")
+        snap = daemon.snapshot()
+        grp = next(x for x in snap["groups"] if x["id"] == g)
+        assert grp["sm_limit"] == 30
+        assert snap["counters"].get("throttle_episodes", 0) > 0
+    finally:
+        for p in (capped, idle_peer, free):
+            p.close()
+    # The last capped group is gone: its probes go with it.
+    wait_for(lambda: None if launch_probes(daemon) == 0 else "launch probes still attached", 5,
+             what="launch probes detached")
+
+
+def test_utilization_policy_disable_never_throttles(daemon, fakecuda):
+    p = spawn(fakecuda, f"dis-{uuid.uuid4().hex[:6]}", sm=20, GPU_CORE_UTILIZATION_POLICY="disable")
+    try:
+        run = Launching(p, 60000)
+        samples = run.sample_until_done()
+        assert all(s[0] != "T" for s in samples)
+        assert launch_probes(daemon) == 0
+    finally:
+        p.close()
+
+
+def test_sigkill_daemon_while_throttled_then_restart_leaves_none_stopped(tmp_path):
+    # Its own copy of the library: the module's daemon must not see these processes.
+    fakecuda = build(tmp_path / "lib")
+    d = Daemon(fakecuda).start()
+    g = f"kill-{uuid.uuid4().hex[:6]}"
+    procs = [spawn(fakecuda, g, sm=10) for _ in range(2)]
+    try:
+        wait_for(lambda: None if launch_probes(d) > 0 else "no launch probe", 5, what="probes")
+        runs = [Launching(p, 400000) for p in procs]
+        wait_for(lambda: None if any(state(p.pid) == "T" for p in procs) else "not throttled yet",
+                 10, what="a throttle stop")
+        d.proc.send_signal(signal.SIGKILL)
+        d.proc.wait(10)
+        # The new daemon ignores the env caps, so any stop left 2 s after its
+        # start is one the dead daemon left behind, not a new throttle.
+        d2 = Daemon(fakecuda, workdir=d.workdir, extra=["--no-env-limits"]).start()
+        try:
+            deadline = time.monotonic() + 2.0
+            while time.monotonic() < deadline and {p.pid for p in procs} & stopped_pids():
+                time.sleep(0.05)
+            left = {p.pid for p in procs} & stopped_pids()
+            assert not left,  f"left stopped 2 s after restart: {left}\n{d2.log()[-1500:]}"
+            for r in runs:   # and they finish their work
+                r.t.join(60)
+                assert r.reply and r.reply.get("rc") == "0", r.reply
+        finally:
+            for p in procs:
+                p.kill()
+            for r in runs:
+                r.t.join(30)
+            finish_daemon(d2)
+    finally:
+        for p in procs:
+            p.close()
