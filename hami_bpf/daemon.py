@@ -693,14 +693,12 @@ class Daemon:
                     b = self.budgets[key] = Budget(cap=cap)
                 b.cap = cap
                 consumed = use.get(key, (0, 0))[0]
-                granted = budget_tick(b, now=now, consumed=consumed, share=share.get(key))
+                granted = budget_tick(b, now=now, consumed=consumed, util=share.get(key))
                 self.probes.set_sm_grant(g.index, dev, granted, True)
                 # Resume with some budget in hand, not a sliver: fewer, longer holds.
                 margin = (b.rate or 0) * RESUME_MARGIN_S
                 room = room and consumed + margin < granted
-                self.sm_share[key] = (share.get(key) if share.get(key) is not None else
-                                      (100.0 * rates.get(dev, {}).get(key, 0) / b.full_rate
-                                       if b.full_rate else None))
+                self.sm_share[key] = b.last_share
             if room and group in self.throttled:
                 self._resume_group(group)
             if group in self.throttled:

@@ -5,27 +5,32 @@ launch costs `graph_cost`) to `sm_use.consumed`; a launch that finds
 `consumed > granted` stops its process until the controller grants more.
 This module decides `granted` on every tick.
 
-How the rate is found:
-1. Learn. A new (group, device) runs unthrottled for `learn_s` and its peak
-   launch-cost rate is taken as its full rate F.
-2. Open loop. The allowed rate R starts at cap% x F. For one workload in a
-   group the units cancel out: throughput relative to uncapped is R / F,
-   whatever a block or a graph really costs on the GPU.
-3. Feedback. Where the device's utilization is known (NVML), the group's
-   share of it (utilization x its part of the device's launch cost) is driven
-   to the cap by an integral step on log R, so a wrong cost model, other
-   groups on the GPU and a changing workload are corrected.
-The bank is bounded to `burst_s` of rate, so an idle group cannot save up a
+How the rate is found (measured on the H200, docs/benchmarks.md):
+1. Learn. A new (group, device) runs unthrottled for `learn_s`. The host can
+   queue a second or more of GPU work before the driver pushes back, so the
+   first moments say nothing about GPU throughput; only the second part of the
+   window, when the queue is full and launches proceed at the GPU's pace, gives
+   the full rate F (and, with NVML, the group's busy share U_full).
+2. Open loop. The allowed rate is R0 = cap% x F. For one workload in a group
+   the units cancel out: throughput relative to uncapped is R / F, whatever a
+   block or a graph really costs on the GPU.
+3. Feedback, bounded. With NVML, the group's share of device utilization,
+   normalized by U_full, trims R around R0 (x0.5 .. x1.5). The bound matters:
+   utilization stays high while the GPU drains work queued earlier, and an
+   unbounded integrator throttles a graph-replay workload to nothing (seen).
+The bank holds at most `burst_s` of rate, so an idle group cannot save up a
 long uncapped burst.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-LEARN_S = 0.3
+LEARN_S = 1.0
+LEARN_FROM = 0.4      # fraction of the learning window ignored (queue filling)
 BURST_S = 0.05
-GAIN = 2.0            # per second, on log R, per unit of relative error
+GAIN = 1.0            # per second, on log R, per unit of relative error
+TRIM_MIN, TRIM_MAX = 0.5, 1.5
 MIN_RATE = 1.0        # cost units per second
 
 
@@ -33,22 +38,27 @@ MIN_RATE = 1.0        # cost units per second
 class Budget:
     cap: float                      # percent, 0 < cap < 100
     granted: int = 0
-    rate: float | None = None       # allowed cost units per second
-    full_rate: float = 0.0          # learned unthrottled rate
+    rate: float | None = None       # allowed cost units per second (None while learning)
+    full_rate: float = 0.0          # learned unthrottled rate F
+    full_util: float | None = None  # learned unthrottled utilization share U_full
+    trim: float = 1.0
     started: float | None = None
+    mark: tuple[float, int] | None = None   # (time, consumed) where learning starts to count
     last_t: float | None = None
     last_consumed: int = 0
-    last_share: float | None = None  # measured share of the device, percent
+    last_share: float | None = None  # measured share, percent of uncapped
+    utils: list = field(default_factory=list)
 
     @property
     def learning(self) -> bool:
         return self.rate is None
 
 
-def tick(b: Budget, *, now: float, consumed: int, share: float | None = None,
+def tick(b: Budget, *, now: float, consumed: int, util: float | None = None,
          learn_s: float = LEARN_S, burst_s: float = BURST_S, gain: float = GAIN) -> int:
-    """Advance one budget to `now` given the probes' cumulative `consumed`;
-    return the new `granted` (it only grows, except once, when learning ends)."""
+    """Advance one budget to `now` given the probes' cumulative `consumed` and,
+    where known, the group's part of its device's utilization (percent);
+    return the new `granted`."""
     if b.started is None:
         b.started = b.last_t = now
         b.last_consumed = consumed
@@ -61,19 +71,31 @@ def tick(b: Budget, *, now: float, consumed: int, share: float | None = None,
     b.last_t, b.last_consumed = now, consumed
 
     if b.rate is None:
-        b.full_rate = max(b.full_rate, rate_seen)
-        if now - b.started < learn_s or b.full_rate == 0:
+        age = now - b.started
+        if age < learn_s * LEARN_FROM:
             return b.granted
+        if b.mark is None:
+            b.mark = (now, consumed)
+            return b.granted
+        if util is not None:
+            b.utils.append(util)
+        if age < learn_s or consumed == b.mark[1]:
+            return b.granted       # not long enough, or idle: nothing to cap yet
+        b.full_rate = (consumed - b.mark[1]) / (now - b.mark[0])
+        b.full_util = (sum(b.utils) / len(b.utils)) if b.utils else None
         b.rate = max(MIN_RATE, b.cap / 100.0 * b.full_rate)
         b.granted = consumed   # withdraw the learning grant: the bank starts empty
         return b.granted
 
-    if share is not None:
+    base = max(MIN_RATE, b.cap / 100.0 * b.full_rate)
+    if util is not None and b.full_util:
+        share = 100.0 * util / b.full_util
         b.last_share = share
-        err = (b.cap - share) / b.cap
-        err = max(-1.0, min(1.0, err))
-        b.rate *= math.exp(gain * err * dt)
-    b.rate = max(MIN_RATE, b.rate)
+        err = max(-0.5, min(0.5, (b.cap - share) / b.cap))
+        b.trim = max(TRIM_MIN, min(TRIM_MAX, b.trim * math.exp(gain * err * dt)))
+    elif b.full_rate:
+        b.last_share = 100.0 * rate_seen / b.full_rate
+    b.rate = base * b.trim
     bank_cap = consumed + b.rate * burst_s
     b.granted = int(max(b.granted, min(b.granted + b.rate * dt, bank_cap)))
     return b.granted
@@ -81,7 +103,7 @@ def tick(b: Budget, *, now: float, consumed: int, share: float | None = None,
 
 def shares(device_util: float | None, rates: dict) -> dict:
     """Attribute a device's utilization (percent) to groups by the launch cost
-    each put on it over the last tick: {key: rate} -> {key: share percent}."""
+    each put on it over the last tick: {key: rate} -> {key: utilization}."""
     total = sum(rates.values())
     if device_util is None or total <= 0:
         return {k: None for k in rates}

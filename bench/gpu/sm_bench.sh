@@ -36,14 +36,6 @@ A=$!
 HAMI_GROUP=u2 python3 $W matmul --seconds 10 --settle 3 --label pairfree2 >> "$R" &
 B=$!
 wait $A $B
-python3 bench/hami.py events --socket /tmp/h.sock > "$OUT/events.txt" 2>&1
-stop_daemon
-echo "== host time per launch: no probe, then launch probe attached (--count-launches)"
-python3 bench/gpu/overhead.py bare-no-daemon | tee -a "$OUT/launch.jsonl"
-start_daemon
-python3 bench/gpu/overhead.py daemon-no-probe | tee -a "$OUT/launch.jsonl"
-stop_daemon
-start_daemon --count-launches
-python3 bench/gpu/overhead.py daemon-launch-probe | tee -a "$OUT/launch.jsonl"
+python3 bench/hami.py ps --socket /tmp/h.sock --json > "$OUT/ps.json" 2>&1
 stop_daemon
 python3 bench/gpu/sm_summary.py "$R"
