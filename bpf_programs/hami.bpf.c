@@ -793,6 +793,48 @@ int uprobe__cuGraphLaunch(struct pt_regs *ctx)
 	return launch_charge(ctx, c && c->graph_cost ? c->graph_cost : 1);
 }
 
+/*
+ * Synchronize calls (cuStreamSynchronize, cuCtxSynchronize,
+ * cuEventSynchronize, _ptsz twins): when one returns, everything the group
+ * had launched before it began is done on the GPU. That gives the controller
+ * the GPU's real pace, which the host's launch rate hides behind a launch
+ * queue that can hold a second of work.
+ */
+int uprobe__sync_enter(struct pt_regs *ctx)
+{
+	__u64 id = bpf_get_current_pid_tgid();
+	__u32 tgid = id >> 32, tid = (__u32)id;
+	struct hami_proc *p = procs.lookup(&tgid);
+	if (!p || p->charged == HAMI_GROUP_NONE)
+		return 0;
+	struct hami_syncat at = {};
+	at.gk.group = (__u32)p->charged;
+	at.gk.device = to_physical(tgid, current_visible_device(tid, p));
+	struct hami_smuse *u = sm_use.lookup(&at.gk);
+	if (!u)
+		return 0;
+	at.consumed = u->consumed;
+	sync_at.update(&tid, &at);
+	return 0;
+}
+
+int uretprobe__sync_return(struct pt_regs *ctx)
+{
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
+	struct hami_syncat *at = sync_at.lookup(&tid);
+	if (!at)
+		return 0;
+	struct hami_syncat a = *at;
+	sync_at.delete(&tid);
+	if (PT_REGS_RC(ctx) != 0)
+		return 0;
+	struct hami_smuse *u = sm_use.lookup(&a.gk);
+	/* Racing writers may both store; the controller reads a maximum. */
+	if (u && a.consumed > u->completed)
+		u->completed = a.consumed;
+	return 0;
+}
+
 /* ---- exits ---------------------------------------------------------------- */
 
 /*
@@ -819,6 +861,7 @@ int tracepoint__sched__sched_process_exit(void *args)
 		inflight.delete(&tid);
 	}
 	cur_ctx.delete(&tid);
+	sync_at.delete(&tid);
 
 	if (tid != tgid)
 		return 0;

@@ -181,6 +181,14 @@ struct hami_smgrant {
 struct hami_smuse {
 	__u64 consumed;  /* cost units launched in total */
 	__u64 launches;  /* launch calls */
+	__u64 completed; /* cost units known done on the GPU: `consumed` as of the
+			  * entry of the latest synchronize call that returned */
+};
+
+/* sync_at: key __u32 tid -> what was launched when a synchronize call began. */
+struct hami_syncat {
+	__u64 consumed;
+	struct hami_gkey gk;
 };
 
 /* config: a single-entry array written by the controller. */

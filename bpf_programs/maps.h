@@ -87,6 +87,11 @@ BPF_HASH(sm_grant, struct hami_gkey, struct hami_smgrant, HAMI_MAX_GROUPS * 8);
  * controller with the group. The controller reads it to measure rates. */
 BPF_HASH(sm_use, struct hami_gkey, struct hami_smuse, HAMI_MAX_GROUPS * 8);
 
+/* sync_at: key __u32 tid -> hami_syncat. Written by the entry of a
+ * synchronize call, consumed and deleted by its return (or the thread's exit).
+ * Attached with the launch probes. */
+BPF_HASH(sync_at, __u32, struct hami_syncat, 16384);
+
 /* config: one hami_config, written by the controller (heartbeat every tick). */
 BPF_ARRAY(config, struct hami_config, 1);
 

@@ -183,7 +183,11 @@ class SmGrant(ct.Structure):
 
 
 class SmUse(ct.Structure):
-    _fields_ = [("consumed", ct.c_uint64), ("launches", ct.c_uint64)]
+    _fields_ = [("consumed", ct.c_uint64), ("launches", ct.c_uint64), ("completed", ct.c_uint64)]
+
+
+class SyncAt(ct.Structure):
+    _fields_ = [("consumed", ct.c_uint64), ("gk", GKey)]
 
 
 # C struct name -> mirror, for the layout test.
@@ -203,6 +207,7 @@ STRUCTS = {
     "hami_config": Config,
     "hami_smgrant": SmGrant,
     "hami_smuse": SmUse,
+    "hami_syncat": SyncAt,
 }
 
 

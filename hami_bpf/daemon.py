@@ -672,7 +672,7 @@ class Daemon:
     def _throttle_tick(self, now: float) -> None:
         use = self.probes.sm_use()
         rates: dict[int, dict[tuple[int, int], float]] = collections.defaultdict(dict)
-        for key, (consumed, _n) in use.items():
+        for key, (consumed, _n, _done) in use.items():
             prev = self._prev_use.get(key)
             if prev and now > prev[0]:
                 rates[key[1]][key] = max(0, consumed - prev[1]) / (now - prev[0])
@@ -692,8 +692,9 @@ class Daemon:
                 if b is None:
                     b = self.budgets[key] = Budget(cap=cap)
                 b.cap = cap
-                consumed = use.get(key, (0, 0))[0]
-                granted = budget_tick(b, now=now, consumed=consumed, util=share.get(key))
+                consumed, _n, completed = use.get(key, (0, 0, 0))
+                granted = budget_tick(b, now=now, consumed=consumed, util=share.get(key),
+                                      completed=completed or None)
                 self.probes.set_sm_grant(g.index, dev, granted, True)
                 # Resume with some budget in hand, not a sliver: fewer, longer holds.
                 margin = (b.rate or 0) * RESUME_MARGIN_S

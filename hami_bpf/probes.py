@@ -63,6 +63,11 @@ LAUNCH_PROBES: dict[str, str] = {
 }
 LAUNCH_SYMBOLS = tuple(LAUNCH_PROBES)
 
+# Synchronize calls: their returns tell the controller what the GPU finished.
+# Attached and detached with the launch probes.
+SYNC_SYMBOLS = ("cuStreamSynchronize", "cuStreamSynchronize_ptsz", "cuCtxSynchronize",
+                "cuEventSynchronize")
+
 BPF_ANY, BPF_NOEXIST, BPF_EXIST = 0, 1, 2
 
 
@@ -180,6 +185,7 @@ class Attached:
     core: list[str] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
     launch: list[str] = field(default_factory=list)
+    sync: list[str] = field(default_factory=list)
 
 
 class Probes:
@@ -244,6 +250,16 @@ class Probes:
                 a.launch.append(sym)
             except Exception as e:
                 log.info("skipping launch probe %s in %s: %s", sym, lib, e)
+        for sym in SYNC_SYMBOLS:
+            if sym in a.sync or (present is not None and sym not in present):
+                continue
+            try:
+                self.bpf.attach_uprobe(name=lib.encode(), sym=sym.encode(), fn_name=b"uprobe__sync_enter")
+                self.bpf.attach_uretprobe(name=lib.encode(), sym=sym.encode(),
+                                          fn_name=b"uretprobe__sync_return")
+                a.sync.append(sym)
+            except Exception as e:
+                log.info("skipping sync probe %s in %s: %s", sym, lib, e)
         return list(a.launch)
 
     def detach_launch(self, lib: str) -> None:
@@ -256,6 +272,13 @@ class Probes:
             except Exception as e:
                 log.warning("detaching uprobe %s from %s: %s", sym, lib, e)
             a.launch.remove(sym)
+        for sym in list(a.sync):
+            try:
+                self.bpf.detach_uprobe(name=lib.encode(), sym=sym.encode())
+                self.bpf.detach_uretprobe(name=lib.encode(), sym=sym.encode())
+            except Exception as e:
+                log.warning("detaching sync probes of %s from %s: %s", sym, lib, e)
+            a.sync.remove(sym)
 
     def launch_probes_attached(self) -> int:
         return sum(len(a.launch) for a in self.attached.values())
@@ -343,9 +366,10 @@ class Probes:
         except KeyError:
             pass
 
-    def sm_use(self) -> dict[tuple[int, int], tuple[int, int]]:
-        """(group index, device) -> (cost consumed, launches), as the launch probes count them."""
-        return {(k.group, k.device): (v.consumed, v.launches) for k, v in self.map["sm_use"].items()}
+    def sm_use(self) -> dict[tuple[int, int], tuple[int, int, int]]:
+        """(group index, device) -> (cost launched, launches, cost known completed)."""
+        return {(k.group, k.device): (v.consumed, v.launches, v.completed)
+                for k, v in self.map["sm_use"].items()}
 
     def set_graph_cost(self, cost: int) -> None:
         t = self.map["config"]

@@ -1,4 +1,5 @@
 """The pure SM-budget controller, driven with synthetic time and consumption."""
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from hami_bpf.throttle import LEARN_S, TRIM_MAX, TRIM_MIN, Budget, shares, tick
@@ -66,3 +67,41 @@ def test_idle_group_cannot_bank_a_long_burst():
 def test_shares_split_utilization_by_launch_cost():
     assert shares(80.0, {"a": 3.0, "b": 1.0}) == {"a": 60.0, "b": 20.0}
     assert shares(None, {"a": 1.0}) == {"a": None}
+
+
+def simulate_queued_gpu(cap, seconds=8.0, gpu_rate=1000.0, queue_s=1.1, sync_every=0.25, dt=0.01):
+    """A host that launches as fast as the launch queue allows (queue_s of GPU
+    work) and synchronizes every sync_every seconds of enqueueing, like
+    bench/gpu/sm_workload.py; the GPU drains at gpu_rate. Returns the GPU's
+    completion rate over the last 3 s."""
+    b = Budget(cap=cap)
+    t, launched, done = 0.0, 0.0, 0.0
+    granted = tick(b, now=t, consumed=0)
+    phase_start, syncing, sync_target = 0.0, False, 0.0
+    completed_mark = None
+    done_at = []
+    while t < seconds:
+        t += dt
+        done = min(launched, done + gpu_rate * dt)
+        done_at.append((t, done))
+        if syncing:
+            if done >= sync_target:
+                syncing, phase_start = False, t
+                completed_mark = sync_target
+        else:
+            room_queue = max(0.0, done + gpu_rate * queue_s - launched)
+            room_budget = max(0.0, granted - launched)
+            launched += min(room_queue, room_budget, gpu_rate * 50 * dt)
+            if t - phase_start >= sync_every:
+                syncing, sync_target = True, launched
+        granted = tick(b, now=t, consumed=int(launched),
+                       completed=None if completed_mark is None else int(completed_mark))
+    t0, d0 = next((tt, d) for tt, d in done_at if tt >= seconds - 3.0)
+    return (done - d0) / (t - t0) / gpu_rate, b
+
+
+@pytest.mark.parametrize("cap", [25, 50, 75])
+def test_caps_a_deep_launch_queue_by_its_completions(cap):
+    achieved, b = simulate_queued_gpu(cap)
+    assert b.by_completion
+    assert abs(achieved * 100 - cap) <= 5, (achieved, b)
