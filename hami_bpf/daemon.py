@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import abi, enforce
+from . import abi, containers, enforce
 from .ptrace import PtraceError, read_mem
 from .actions import ClearSlot, Compacted, CreateGroup, DeleteGroup, ReleaseProcess, WriteSlot
 from .config import DaemonConfig
@@ -35,12 +35,18 @@ log = logging.getLogger("hami_bpf")
 
 POLL_MS = 100
 THROTTLE_TICK_S = 0.05
+HELD_TICK_S = 0.005
 RESUME_MARGIN_S = 0.02
 THROTTLED_SHOWN_S = 1.0   # a group held back within this long shows as throttled
 GRAPH_COST = 4096          # cost units per cuGraphLaunch (feedback corrects it where NVML is)
 HEARTBEAT_STALE_NS = 2_000_000_000
 REAP_EVERY_S = 1.0
 SWEEP_EVERY_S = 10.0
+# Finding libcuda files that containers bring (/proc/PID/maps of processes not
+# yet known) runs with the reaper, spaced out so it takes at most this share of
+# one core on a node with many processes.
+LIB_SCAN_DUTY = 0.05
+LIB_RETRY_S = 30.0         # a library we could not attach to is tried again after this
 EVENT_LOG_LEN = 2000
 HANDLE_BIT = 1 << 64
 # What a PyTorch process's CUDA context, modules and handles held on an H200
@@ -237,6 +243,7 @@ class ProcInfo:
     phys: list[int]
     ns_pid: int | None
     state: str = "running"
+    labels: dict[str, str] = field(default_factory=dict)   # pod labels (containers.PodRef.labels)
 
 
 class Daemon:
@@ -273,6 +280,21 @@ class Daemon:
         self.stopped: enforce.StoppedSet | None = None
         self.oom_action = abi.ACT_OBSERVE
         self.group_by = cfg.group_by
+        # libcuda files per (dev, inode): the configured ones pinned, others
+        # (a container's own driver library) attached at their first user seen
+        # in /proc/PID/maps, through a descriptor we hold (lib_fds: key -> (fd,
+        # "/proc/<our pid>/fd/N")), detached after their last user exits.
+        self.libtrack = containers.LibTracker()
+        self.lib_fds: dict[tuple[int, int], tuple[int, str]] = {}
+        self.entry_ok: dict[str, dict[str, tuple[bool, str]]] = {}
+        self._lib_locks: dict[tuple[int, int], int] = {}
+        self._lib_keys: dict[str, tuple[int, int]] = {}       # fd path -> key
+        self._lib_users: dict[int, int] = {}                   # tracked pid -> start time
+        self._lib_refused: dict[tuple[int, int], float] = {}   # key -> retry after (monotonic)
+        self._pinned_files: set[tuple[int, int]] = set()       # os.stat keys of self.libs
+        self._next_lib_scan = 0.0
+        host = os.environ.get("HAMI_BPF_HOST_ROOT") or "/"
+        self.pod_names = containers.PodNames(host if os.path.isdir(host) else "/")
 
     # -- events log ----------------------------------------------------------
 
@@ -416,6 +438,11 @@ class Daemon:
                                     "call there is let through and counted", symbol=s)
             log.info("attached %d probes to %s%s", len(a.core), lib,
                      f" (+{len(a.launch)} launch probes)" if a.launch else "")
+        for lib in list(self.libs):
+            st = lib.stat()
+            self._pinned_files.add((st.st_dev, st.st_ino))
+            self.libtrack.pin(containers.LibRef(st.st_dev, st.st_ino, str(lib), str(lib), 0))
+        self._discover_libs(register=False)   # _scan_existing registers their users
         self._recover_bpf_stops()
         self._scan_existing()
         from .server import ServerError, SnapshotServer
@@ -440,20 +467,27 @@ class Daemon:
     def _lock_libs(self) -> None:
         """One controller per library: two would both stop, rewrite and resume
         the same processes. The lock dies with the process, SIGKILL included."""
-        import fcntl
-        lockdir = "/run/lock" if os.path.isdir("/run/lock") else "/tmp"
         self._locks = []
         for lib in self.libs:
-            st = lib.stat()
-            path = f"{lockdir}/hami-bpf-{st.st_dev}-{st.st_ino}.lock"
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
+            fd, path = self._lock_file(lib.stat())
+            if fd is None:
                 raise DaemonError(f"another hami-bpf daemon is attached to {lib} "
                                   f"(lock {path} is held)") from None
             self._locks.append(fd)
+
+    @staticmethod
+    def _lock_file(st: os.stat_result) -> tuple[int | None, str]:
+        """The library's lock (by dev:inode), or None if another daemon holds it."""
+        import fcntl
+        lockdir = "/run/lock" if os.path.isdir("/run/lock") else "/tmp"
+        path = f"{lockdir}/hami-bpf-{st.st_dev}-{st.st_ino}.lock"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None, path
+        return fd, path
 
     def _recover_bpf_stops(self) -> None:
         """Finish what a previous controller left: processes its probes stopped
@@ -466,7 +500,7 @@ class Daemon:
         for lib in self.libs:
             offs = libcuda.symbol_file_offsets(lib, probes.ALLOC_SYMBOLS + probes.LAUNCH_SYMBOLS
                                                + ("cuInit",))
-            for pid in pids_mapping(lib):
+            for pid in self._lib_pids(lib):
                 if pid == os.getpid():
                     continue
                 entries = {}
@@ -494,9 +528,129 @@ class Daemon:
 
     def _scan_existing(self) -> None:
         for lib in self.libs:
-            for pid in pids_mapping(lib):
+            for pid in self._lib_pids(lib):
                 if pid != os.getpid() and self.table.resolve(pid) is None:
                     self._register(pid, time.monotonic_ns(), existing=True)
+
+    # -- libcuda files that containers bring ---------------------------------------
+
+    def _lib_pids(self, lib: Path) -> list[int]:
+        """Processes mapping ``lib``: for a library attached through a held
+        descriptor (its path names our fd, not the file) the pids discovery
+        found mapping its (dev, inode); for a configured one, a scan."""
+        key = self._lib_keys.get(str(lib))
+        return sorted(self.libtrack.users(key)) if key else pids_mapping(lib)
+
+    def _discover_libs(self, register: bool = True) -> None:
+        """Attach to libcuda files that processes map and nobody probes yet: a
+        container's own driver library (e.g. CUDA forward compatibility in the
+        image) is another file than the node's, seen only in /proc/PID/maps.
+
+        Cost: one read of /proc/PID/maps per process not registered and not
+        known to map a libcuda already (so never the GPU workloads' large maps,
+        nor their mmap locks), every reaper pass; a pass that takes long
+        pushes the next one out so that discovery uses at most LIB_SCAN_DUTY
+        of one core. A process that maps a library it was not mapping when
+        last read is found at the next pass (~1 s): its calls before that
+        are not seen."""
+        t0 = time.monotonic()
+        skip = set(self._lib_users) | {p.key.pid for p in self.table.processes()}
+        skip.add(os.getpid())
+        found = []
+        scanned = containers.scan_libcuda(skip=skip)
+        # Only the scan counts against LIB_SCAN_DUTY (attaching takes longer, once).
+        self._next_lib_scan = t0 + (time.monotonic() - t0) / LIB_SCAN_DUTY
+        for pid, refs in sorted(scanned.items()):
+            st = enforce.proc_start_time(pid)
+            if st is None:
+                continue
+            for ref in refs:
+                if not self.libtrack.tracked(ref.key) and (
+                        ref.deleted or t0 < self._lib_refused.get(ref.key, 0.0)):
+                    continue
+                if self.libtrack.add(pid, ref):
+                    self._attach_lib(ref)
+                if self.libtrack.tracked(ref.key):   # not if its attach failed
+                    self._lib_users[pid] = st
+                    found.append((pid, ref.key))
+        if register:
+            # A process may have called cuInit before we attached: register
+            # every user of a library we probe through a held descriptor.
+            for pid, key in found:
+                if key in self.lib_fds and self.table.resolve(pid) is None:
+                    self._register(pid, time.monotonic_ns(), existing=True)
+                    self._dirty = True
+
+    def _attach_lib(self, ref: containers.LibRef) -> bool:
+        """Attach the probes to ``ref`` through a descriptor we hold open: bcc
+        detaches by re-reading the ELF at the path it attached with, and the
+        container's /proc/PID/root/... disappears with the container."""
+        from . import libcuda, probes
+        try:
+            fd = os.open(ref.host_path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as e:
+            return self._refuse_lib(ref, f"opening {ref.host_path}: {e.strerror}")
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) in self._pinned_files:
+            # A configured library that maps shows under another dev (btrfs,
+            # overlayfs): probed already; a second attach would count twice.
+            os.close(fd)
+            self.libtrack.pin(ref)
+            return False
+        lock, lock_path = self._lock_file(st)
+        if lock is None:
+            os.close(fd)
+            return self._refuse_lib(ref, f"another hami-bpf daemon is attached to it (lock "
+                                         f"{lock_path} is held)", kind="config")
+        path = f"/proc/{os.getpid()}/fd/{fd}"
+        try:
+            syms = libcuda.cuda_symbols(path)
+            a = self.probes.attach_core(path, syms)
+            if self.probes.launch_probes_attached() > 0:
+                self.probes.attach_launch(path, syms)
+            offs = libcuda.symbol_file_offsets(path, probes.ALLOC_SYMBOLS)
+        except (probes.ProbeError, libcuda.LibcudaError, OSError, ValueError) as e:
+            self.probes.detach_core(path)
+            os.close(fd)
+            os.close(lock)
+            return self._refuse_lib(ref, str(e))
+        self.entry_ok[path] = {s: enforce.prologue_ok(path, o, s) for s, o in offs.items()}
+        if self.oom_action == abi.ACT_STOP_REWRITE:
+            for s, (ok, why) in self.entry_ok[path].items():
+                if not ok:
+                    self.record("fallback", f"stop-rewrite refused for {s} in {ref}: {why}; a "
+                                "denied call there is let through and counted", symbol=s)
+        self.lib_fds[ref.key] = (fd, path)
+        self._lib_locks[ref.key] = lock
+        self._lib_keys[path] = ref.key
+        self.libs.append(Path(path))
+        self.record("probes", f"attached {len(a.core)} probes to {ref}, mapped by pid {ref.pid} "
+                    f"(through {path})", pid=ref.pid, lib=ref.path)
+        return True
+
+    def _refuse_lib(self, ref: containers.LibRef, why: str, kind: str = "error") -> bool:
+        self.libtrack.forget(ref.key)
+        self._lib_refused[ref.key] = time.monotonic() + LIB_RETRY_S
+        self.record(kind, f"not attaching to {ref}, mapped by pid {ref.pid}: {why}", pid=ref.pid,
+                    lib=ref.path)
+        return False
+
+    def _lib_release(self, pid: int) -> None:
+        """``pid`` exited: detach from the libraries it was the last user of."""
+        self._lib_users.pop(pid, None)
+        for ref in self.libtrack.remove_pid(pid):
+            fd, path = self.lib_fds.pop(ref.key, (None, None))
+            if fd is None:
+                continue
+            self.probes.detach_core(path)   # while the fd path still resolves
+            self.libs = [lib for lib in self.libs if str(lib) != path]
+            self.entry_ok.pop(path, None)
+            self._lib_keys.pop(path, None)
+            os.close(fd)
+            lock = self._lib_locks.pop(ref.key, None)
+            if lock is not None:
+                os.close(lock)
+            self.record("probes", f"detached from {ref}: its last process exited", lib=ref.path)
 
     # -- the loop ------------------------------------------------------------
 
@@ -504,7 +658,10 @@ class Daemon:
         last_reap = last_sweep = time.monotonic()
         while not self._stop.is_set():
             self.probes.heartbeat()
-            self.probes.poll(int(THROTTLE_TICK_S * 1000) if self.sm_caps else POLL_MS)
+            # While a group is held, tick fast: the hold should end as soon as
+            # the budget allows, or the held time itself lowers the share.
+            self.probes.poll(int((HELD_TICK_S if self.throttled else THROTTLE_TICK_S) * 1000)
+                             if self.sm_caps else POLL_MS)
             now = time.monotonic()
             if self.sm_caps:
                 self._throttle_tick(now)
@@ -540,6 +697,9 @@ class Daemon:
             self.metrics.close()
         if self.probes:
             self.probes.close()
+        for fd, _path in self.lib_fds.values():   # after the probes: they detach through them
+            os.close(fd)
+        self.lib_fds.clear()
 
     # -- events from BPF -------------------------------------------------------
 
@@ -608,7 +768,8 @@ class Daemon:
             phys.append(i if p is None else p)
         group = group_of(pid, self.group_by, env) if st is not None else "(exited)"
         key = ProcKey(pid, st if st is not None else 0)
-        self.info[pid] = ProcInfo(limits, phys, ns_pid(pid))
+        pod = containers.describe(pid, names=self.pod_names, env=env).pod if st is not None else None
+        self.info[pid] = ProcInfo(limits, phys, ns_pid(pid), labels=pod.labels() if pod else {})
         actions = self.table.apply(ProcessRegistered(key, group, comm or proc_comm(pid), ts_ns))
         self._act(actions, new_pid=pid if not existing else None, existing=existing)
         view = self.table.process(pid)
@@ -778,6 +939,7 @@ class Daemon:
         if self.table.resolve(pid) is None:
             return
         self._act(self.table.apply(ProcessExited(pid, None, ts_ns)))
+        self._lib_release(pid)
         lat = max(0, time.monotonic_ns() - ts_ns)
         self.exit_latency_ns.append(lat)
         observe_exit_latency(self.counters, lat)
@@ -911,6 +1073,13 @@ class Daemon:
                 self._act(self.table.apply(ProcessExited(p.key.pid, p.key.start_time,
                                                          time.monotonic_ns())))
                 self._dirty = True
+        # Users of libraries found by discovery that are not registered (or
+        # whose exit event was lost): gone or reused -> maybe detach.
+        for pid, st in list(self._lib_users.items()):
+            if enforce.proc_start_time(pid) != st:
+                self._lib_release(pid)
+        if time.monotonic() >= self._next_lib_scan:
+            self._discover_libs()
 
     def _rebuild_snapshot(self) -> None:
         self._dirty = False
@@ -937,7 +1106,8 @@ class Daemon:
                 visible_devices={phys: vis for vis, phys in enumerate(info.phys[:self.devices.count])
                                  if phys != vis} if info else {},
                 denied=self.denied.get(p.key.pid, 0),
-                ns_pid=info.ns_pid if info else None))
+                ns_pid=info.ns_pid if info else None,
+                labels=info.labels if info else {}))
         groups = []
         for g in self.table.groups():
             devs = {d: DeviceUsage(g.used.get(d, 0), g.limits.get(d))
