@@ -18,6 +18,13 @@ test: install
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; \
 	exit $$rc
 
+# BPF tests on other kernels: Debian's newest 7.x and 6.1 booted in qemu (TCG
+# where nested KVM fails), plus the host's kernel; see docs/kernels.md.
+.PHONY: test-kernels
+test-kernels: install
+	bash tests/kernels/setup.sh
+	$(PYTHON) tests/kernels/run_matrix.py
+
 demo: install
 	$(VENV)/bin/hami-bpf run
 

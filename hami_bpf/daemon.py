@@ -46,6 +46,7 @@ SWEEP_EVERY_S = 10.0
 # yet known) runs with the reaper, spaced out so it takes at most this share of
 # one core on a node with many processes.
 LIB_SCAN_DUTY = 0.05
+LIB_GRACE_S = float(os.environ.get("HAMI_BPF_LIB_GRACE_S", "10"))
 LIB_RETRY_S = 30.0         # a library we could not attach to is tried again after this
 EVENT_LOG_LEN = 2000
 HANDLE_BIT = 1 << 64
@@ -286,6 +287,8 @@ class Daemon:
         # "/proc/<our pid>/fd/N")), detached after their last user exits.
         self.libtrack = containers.LibTracker()
         self.lib_fds: dict[tuple[int, int], tuple[int, str]] = {}
+        self._lib_idle: dict = {}          # key -> (since, ref): last user gone
+        self._detaching: set = set()       # keys whose probes are being detached
         self.entry_ok: dict[str, dict[str, tuple[bool, str]]] = {}
         self._lib_locks: dict[tuple[int, int], int] = {}
         self._lib_keys: dict[str, tuple[int, int]] = {}       # fd path -> key
@@ -586,6 +589,12 @@ class Daemon:
         detaches by re-reading the ELF at the path it attached with, and the
         container's /proc/PID/root/... disappears with the container."""
         from . import libcuda, probes
+        if ref.key in self._lib_idle:          # a new user within the grace time
+            del self._lib_idle[ref.key]
+            return True
+        deadline = time.monotonic() + 30
+        while ref.key in self._detaching and time.monotonic() < deadline:
+            time.sleep(0.05)   # rare: old probes still fire; attaching now would count twice
         try:
             fd = os.open(ref.host_path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError as e:
@@ -610,9 +619,10 @@ class Daemon:
                 self.probes.attach_launch(path, syms)
             offs = libcuda.symbol_file_offsets(path, probes.ALLOC_SYMBOLS)
         except (probes.ProbeError, libcuda.LibcudaError, OSError, ValueError) as e:
-            self.probes.detach_core(path)
-            os.close(fd)
-            os.close(lock)
+            def _close(fd=fd, lock=lock):
+                os.close(fd)
+                os.close(lock)
+            self.probes.detach_core(path, then=_close)
             return self._refuse_lib(ref, str(e))
         self.entry_ok[path] = {s: enforce.prologue_ok(path, o, s) for s, o in offs.items()}
         if self.oom_action == abi.ACT_STOP_REWRITE:
@@ -636,21 +646,42 @@ class Daemon:
         return False
 
     def _lib_release(self, pid: int) -> None:
-        """``pid`` exited: detach from the libraries it was the last user of."""
+        """``pid`` exited: a library it was the last user of goes idle; it is
+        detached after LIB_GRACE_S unless a new user comes (a restarting
+        container must not pay seconds of detach and re-attach)."""
         self._lib_users.pop(pid, None)
         for ref in self.libtrack.remove_pid(pid):
-            fd, path = self.lib_fds.pop(ref.key, (None, None))
-            if fd is None:
-                continue
-            self.probes.detach_core(path)   # while the fd path still resolves
+            if ref.key in self.lib_fds:
+                self._lib_idle[ref.key] = (time.monotonic(), ref)
+
+    def _detach_idle_libs(self, now: float) -> None:
+        for key, (since, ref) in list(self._lib_idle.items()):
+            if now - since >= LIB_GRACE_S:
+                del self._lib_idle[key]
+                self._detach_lib(ref)
+
+    def _detach_lib(self, ref) -> None:
+        fd, path = self.lib_fds.pop(ref.key, (None, None))
+        if fd is not None:
             self.libs = [lib for lib in self.libs if str(lib) != path]
             self.entry_ok.pop(path, None)
             self._lib_keys.pop(path, None)
-            os.close(fd)
             lock = self._lib_locks.pop(ref.key, None)
             if lock is not None:
+                # Now: a new user of the same file may come before the detach
+                # ends, and our own lock would refuse our re-attach.
                 os.close(lock)
-            self.record("probes", f"detached from {ref}: its last process exited", lib=ref.path)
+            # In the background, with the fd (which names the library) kept
+            # open until the last detach has re-read it. Until then the old
+            # probes still fire: a re-attach to the same file waits (_attach_lib).
+            self._detaching.add(ref.key)
+
+            def _done(fd=fd, key=ref.key):
+                os.close(fd)
+                self._detaching.discard(key)
+            self.probes.detach_core(path, then=_done)
+            self.record("probes", f"detaching from {ref}: no process used it for "
+                        f"{LIB_GRACE_S:g} s", lib=ref.path)
 
     # -- the loop ------------------------------------------------------------
 
@@ -1078,6 +1109,7 @@ class Daemon:
         for pid, st in list(self._lib_users.items()):
             if enforce.proc_start_time(pid) != st:
                 self._lib_release(pid)
+        self._detach_idle_libs(time.monotonic())
         if time.monotonic() >= self._next_lib_scan:
             self._discover_libs()
 

@@ -97,8 +97,8 @@ def test_capped_group_is_stopped_and_resumed_uncapped_never(daemon, fakecuda):
     try:
         wait_for(lambda: None if launch_probes(daemon) > 0 else "no launch probe yet", 5,
                  what="launch probes attached for the first SM cap")
-        run_free = Launching(free, 150000)
-        run = Launching(capped, 150000, watch=(idle_peer.pid,))
+        run_free = Launching(free, 600000)
+        run = Launching(capped, 600000, watch=(idle_peer.pid,))
         samples = run.sample_until_done()
         run_free.sample_until_done()
         assert run.reply["rc"] == "0" and run_free.reply["rc"] == "0"
