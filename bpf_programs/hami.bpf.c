@@ -283,39 +283,34 @@ static __always_inline int alloc_enter(struct pt_regs *ctx, __u32 fn, __u64 out,
 			__u64 before = __sync_fetch_and_add(&gm->used, size);
 			if (lim && c && (c->flags & HAMI_CFG_ENFORCE_MEM) &&
 			    lim->limit != HAMI_UNLIMITED && before + size > lim->limit) {
-				__u32 act = deny(ctx, c);
-				if (act != HAMI_ACT_OBSERVE && act != HAMI_ACT_NONE_STALE) {
-					__sync_fetch_and_add(&gm->used, -size);
-					__sync_fetch_and_add(&gm->denied, 1);
-					stat_inc(HAMI_STAT_DENIALS);
-					struct hami_event *e = new_event(HAMI_EV_DENY);
-					if (e) {
-						e->device = dev;
-						e->group = group;
-						e->size = size;
-						e->aux = act;
-						/* The probed entry: where stop-and-rewrite expects
-						 * the stopped thread (entry + the emulated push). */
-						e->ptr = PT_REGS_IP(ctx);
-						e->alloc_kind = fn == HAMI_FN_CREATE ? HAMI_KIND_HANDLE : HAMI_KIND_PTR;
-						e->flags = act == HAMI_ACT_STOP_REWRITE ? HAMI_F_STOPPED : 0;
-						events.ringbuf_submit(e, 0);
-					}
-					/* The return probe (if the call ever returns through it)
-					 * must not report this call as an allocation. */
-					inflight.delete(&tid);
-					return 1;
-				}
-				/* observe, or nobody to resume a stop: let it through,
-				 * but say so. */
+				/* The event first, tested once: a stop nobody hears of
+				 * would never be resumed, so with the ring buffer full the
+				 * call goes through (counted in stats as a drop). */
 				struct hami_event *e = new_event(HAMI_EV_DENY);
 				if (e) {
+					__u32 act = deny(ctx, c);
+					int refused = act != HAMI_ACT_OBSERVE && act != HAMI_ACT_NONE_STALE;
+					if (refused) {
+						__sync_fetch_and_add(&gm->used, -size);
+						__sync_fetch_and_add(&gm->denied, 1);
+						stat_inc(HAMI_STAT_DENIALS);
+					}
 					e->device = dev;
 					e->group = group;
 					e->size = size;
 					e->aux = act;
+					/* The probed entry: where stop-and-rewrite expects the
+					 * stopped thread (entry + the emulated push). */
 					e->ptr = PT_REGS_IP(ctx);
+					e->alloc_kind = fn == HAMI_FN_CREATE ? HAMI_KIND_HANDLE : HAMI_KIND_PTR;
+					e->flags = act == HAMI_ACT_STOP_REWRITE ? HAMI_F_STOPPED : 0;
 					events.ringbuf_submit(e, 0);
+					if (refused) {
+						/* The return probe (if the call ever returns
+						 * through it) must not report an allocation. */
+						inflight.delete(&tid);
+						return 1;
+					}
 				}
 			}
 			call.flags |= HAMI_F_RESERVED;
@@ -651,6 +646,60 @@ int uprobe__cuDeviceTotalMem_v2(struct pt_regs *ctx)
 	return 0;
 }
 
+/* nvmlDeviceGetHandleByIndex[_v2](unsigned index, nvmlDevice_t *device):
+ * NVML's indices are physical (it ignores CUDA_VISIBLE_DEVICES). */
+int uprobe__nvmlDeviceGetHandleByIndex(struct pt_regs *ctx)
+{
+	return ctx_enter(HAMI_FN_NVMLHANDLE, PT_REGS_PARM2(ctx), (__s32)PT_REGS_PARM1(ctx));
+}
+
+int uretprobe__nvml_handle_return(struct pt_regs *ctx)
+{
+	__u64 id = bpf_get_current_pid_tgid();
+	__u32 tgid = id >> 32, tid = (__u32)id;
+	struct hami_call *c = inflight.lookup(&tid);
+	if (!c)
+		return 0;
+	struct hami_call call = *c;
+	inflight.delete(&tid);
+	if (call.fn != HAMI_FN_NVMLHANDLE || PT_REGS_RC(ctx) != 0)
+		return 0;
+	__u64 handle = 0;
+	bpf_probe_read_user(&handle, sizeof(handle), (void *)call.out);
+	struct hami_ckey k = { .tgid = tgid, .ctx = handle };
+	__s32 dev = call.device;
+	nvml_dev.update(&k, &dev);
+	return 0;
+}
+
+/* nvmlDeviceGetMemoryInfo(nvmlDevice_t, nvmlMemory_t *) and _v2: the memory
+ * an nvidia-smi-style query sees; rewritten at return like cuMemGetInfo. */
+static __always_inline int nvml_mem_enter(struct pt_regs *ctx, __u64 version)
+{
+	__u64 id = bpf_get_current_pid_tgid();
+	__u32 tgid = id >> 32, tid = (__u32)id;
+	struct hami_ckey k = { .tgid = tgid, .ctx = PT_REGS_PARM1(ctx) };
+	__s32 *dev = nvml_dev.lookup(&k);
+	if (!dev)
+		return 0;
+	struct hami_proc *p = get_proc(tgid);
+	struct hami_call call = { .out = PT_REGS_PARM2(ctx), .aux = version,
+				  .fn = HAMI_FN_NVMLMEM, .device = *dev,
+				  .group = charged_group(tgid, p) };
+	inflight.update(&tid, &call);
+	return 0;
+}
+
+int uprobe__nvmlDeviceGetMemoryInfo(struct pt_regs *ctx)
+{
+	return nvml_mem_enter(ctx, 1);
+}
+
+int uprobe__nvmlDeviceGetMemoryInfo_v2(struct pt_regs *ctx)
+{
+	return nvml_mem_enter(ctx, 2);
+}
+
 /*
  * Return of cuMemGetInfo_v2 / cuDeviceTotalMem_v2: where the group has a
  * limit on the device, the caller must see the limit as total and
@@ -664,7 +713,8 @@ int uretprobe__meminfo_return(struct pt_regs *ctx)
 		return 0;
 	struct hami_call call = *c;
 	inflight.delete(&tid);
-	if ((call.fn != HAMI_FN_MEMINFO && call.fn != HAMI_FN_TOTALMEM) || PT_REGS_RC(ctx) != 0)
+	if ((call.fn != HAMI_FN_MEMINFO && call.fn != HAMI_FN_TOTALMEM && call.fn != HAMI_FN_NVMLMEM) ||
+	    PT_REGS_RC(ctx) != 0)
 		return 0;
 	struct hami_config *cfg = get_config();
 	if (!cfg || !(cfg->flags & HAMI_CFG_VIRT_MEMINFO) || call.group == HAMI_GROUP_NONE)
@@ -680,7 +730,17 @@ int uretprobe__meminfo_return(struct pt_regs *ctx)
 		if (gm)
 			used = gm->used;
 		__u64 free = used < total ? total - used : 0;
-		if (call.fn == HAMI_FN_MEMINFO) {
+		if (call.fn == HAMI_FN_NVMLMEM) {
+			/* v1 {total, free, used}; v2 {version, total, reserved, free, used} */
+			__u64 base = call.out + (call.aux == 2 ? 8 : 0);
+			__u64 fo = call.aux == 2 ? 16 : 8, uo = call.aux == 2 ? 24 : 16;
+			bpf_probe_read_user(&real_free, sizeof(real_free), (void *)(base + fo));
+			if (real_free < free)
+				free = real_free;
+			bpf_probe_write_user((void *)base, &total, sizeof(total));
+			bpf_probe_write_user((void *)(base + fo), &free, sizeof(free));
+			bpf_probe_write_user((void *)(base + uo), &used, sizeof(used));
+		} else if (call.fn == HAMI_FN_MEMINFO) {
 			bpf_probe_read_user(&real_free, sizeof(real_free), (void *)call.out);
 			if (real_free < free)
 				free = real_free;
@@ -696,17 +756,19 @@ int uretprobe__meminfo_return(struct pt_regs *ctx)
 		stat_inc(HAMI_STAT_STALE_SKIPS);
 		return 0;
 	}
+	/* The event first: a stop nobody hears of would never be resumed. */
+	struct hami_event *e = new_event(call.fn == HAMI_FN_MEMINFO ? HAMI_EV_MEMINFO :
+					 call.fn == HAMI_FN_NVMLMEM ? HAMI_EV_NVMLMEM : HAMI_EV_TOTALMEM);
+	if (!e)
+		return 0;
 	bpf_send_signal(19 /* SIGSTOP */);
 	stat_inc(HAMI_STAT_STOPS);
-	struct hami_event *e = new_event(call.fn == HAMI_FN_MEMINFO ? HAMI_EV_MEMINFO : HAMI_EV_TOTALMEM);
-	if (e) {
-		e->device = call.device;
-		e->group = call.group;
-		e->ptr = call.out;
-		e->aux = call.aux;
-		e->flags = HAMI_F_STOPPED;
-		events.ringbuf_submit(e, 0);
-	}
+	e->device = call.device;
+	e->group = call.group;
+	e->ptr = call.out;
+	e->aux = call.aux;
+	e->flags = HAMI_F_STOPPED;
+	events.ringbuf_submit(e, 0);
 	return 0;
 }
 

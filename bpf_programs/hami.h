@@ -25,6 +25,7 @@
 #define HAMI_EV_MEMINFO     7  /* cuMemGetInfo_v2 returned; ptr = free*, aux = total*; the process is stopped when flags has HAMI_F_STOPPED */
 #define HAMI_EV_TOTALMEM    8  /* cuDeviceTotalMem_v2 returned; ptr = bytes*, stopped as above */
 #define HAMI_EV_CTX         9  /* a context was bound to a device (informational) */
+#define HAMI_EV_NVMLMEM    11  /* nvmlDeviceGetMemoryInfo[_v2] returned; ptr = nvmlMemory*, aux = struct version (1, 2); stopped as MEMINFO */
 #define HAMI_EV_THROTTLE   10  /* a launch found its group's SM budget spent: the process is stopped (flags) */
 
 /* Allocation kinds: a device pointer and a cuMemCreate handle are different
@@ -154,6 +155,8 @@ struct hami_call {
 #define HAMI_FN_MEMINFO   6
 #define HAMI_FN_TOTALMEM  7
 #define HAMI_FN_CTXPOP    8
+#define HAMI_FN_NVMLHANDLE 9
+#define HAMI_FN_NVMLMEM   10
 
 /* ctx_dev: key (tgid, context pointer) -> device. */
 struct hami_ckey {

@@ -69,6 +69,11 @@ BPF_HASH(inflight, __u32, struct hami_call, 16384);
  * cuCtxDestroy_v2; the controller sweeps exited processes. */
 BPF_HASH(ctx_dev, struct hami_ckey, __s32, 65536);
 
+/* nvml_dev: key hami_ckey (tgid, nvmlDevice_t) -> __s32 NVML (physical)
+ * index. Written by the return of nvmlDeviceGetHandleByIndex[_v2]; the
+ * controller sweeps exited processes. */
+BPF_HASH(nvml_dev, struct hami_ckey, __s32, 16384);
+
 /* cur_ctx: key __u32 tid -> hami_tctx: the thread's context stack, as
  * devices. Written by cuCtxSetCurrent/Push/Pop/Create, deleted at thread exit. */
 BPF_HASH(cur_ctx, __u32, struct hami_tctx, 16384);

@@ -11,6 +11,7 @@ import collections
 import logging
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import abi, containers, enforce
-from .ptrace import PtraceError, read_mem
+from .ptrace import PtraceError, read_mem, write_mem
 from .actions import ClearSlot, Compacted, CreateGroup, DeleteGroup, ReleaseProcess, WriteSlot
 from .config import DaemonConfig
 from .events import (GroupLimitSet, LaunchesCounted, MemoryAllocated, MemoryFreed, ProcessExited,
@@ -158,6 +159,22 @@ def _user_pc(pid: int, tid: int) -> int | None:
     parts = raw.split() if raw else []
     if len(parts) == 3 and parts[0] == b"-1":
         return int(parts[2], 16)
+    return None
+
+
+def find_libnvml(libcuda_path: Path) -> Path | None:
+    """libnvidia-ml.so.1 beside the probed libcuda (the driver installs them
+    together; a container's compat libcuda comes without one), else ld.so's."""
+    beside = Path(libcuda_path).parent / "libnvidia-ml.so.1"
+    if beside.exists():
+        return beside.resolve()
+    try:
+        out = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, timeout=5).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for line in out.splitlines():
+        if line.strip().startswith("libnvidia-ml.so.1 ") and "=>" in line:
+            return Path(line.split("=>")[1].strip()).resolve()
     return None
 
 
@@ -439,6 +456,12 @@ class Daemon:
                     if not ok:
                         self.record("fallback", f"stop-rewrite refused for {s}: {why}; a denied "
                                     "call there is let through and counted", symbol=s)
+            nvml = find_libnvml(lib)
+            if nvml is not None:
+                got = self.probes.attach_nvml(str(nvml), libcuda.read_symbols(nvml))
+                if got:
+                    log.info("attached %d probes to %s (nvidia-smi-style memory queries)",
+                             len(got), nvml)
             log.info("attached %d probes to %s%s", len(a.core), lib,
                      f" (+{len(a.launch)} launch probes)" if a.launch else "")
         for lib in list(self.libs):
@@ -779,7 +802,7 @@ class Daemon:
             self.counters["alloc_failures"] += 1
         elif e.kind == abi.EV_DENY:
             self._deny(e)
-        elif e.kind in (abi.EV_MEMINFO, abi.EV_TOTALMEM):
+        elif e.kind in (abi.EV_MEMINFO, abi.EV_TOTALMEM, abi.EV_NVMLMEM):
             self._meminfo(e)
         elif e.kind == abi.EV_THROTTLE:
             self._throttle(e)
@@ -1083,6 +1106,14 @@ class Daemon:
                 real_free = int.from_bytes(read_mem(pid, e.ptr, 8), "little")
                 free = min(max(0, limit - used), real_free)
                 enforce.write_meminfo(pid, e.ptr, e.aux, free, limit)
+            elif e.kind == abi.EV_NVMLMEM:
+                # nvmlMemory_t {total, free, used}; _v2 {version, total, reserved, free, used}
+                base = e.ptr + (8 if e.aux == 2 else 0)
+                free_at, used_at = (base + 16, base + 24) if e.aux == 2 else (base + 8, base + 16)
+                real_free = int.from_bytes(read_mem(pid, free_at, 8), "little")
+                free = min(max(0, limit - used), real_free)
+                write_mem(pid, used_at, min(used, limit).to_bytes(8, "little"))
+                enforce.write_meminfo(pid, free_at, base, free, limit)
             else:
                 enforce.write_meminfo(pid, 0, e.ptr, 0, limit)
             self.counters["meminfo_rewrites"] += 1

@@ -48,6 +48,14 @@ CORE_PROBES: dict[str, tuple[str, str | None]] = {
     "cuDeviceTotalMem_v2": ("uprobe__cuDeviceTotalMem_v2", "uretprobe__meminfo_return"),
 }
 
+# libnvidia-ml (a separate library): what nvidia-smi-style queries call.
+NVML_PROBES: dict[str, tuple[str, str | None]] = {
+    "nvmlDeviceGetHandleByIndex_v2": ("uprobe__nvmlDeviceGetHandleByIndex", "uretprobe__nvml_handle_return"),
+    "nvmlDeviceGetHandleByIndex": ("uprobe__nvmlDeviceGetHandleByIndex", "uretprobe__nvml_handle_return"),
+    "nvmlDeviceGetMemoryInfo": ("uprobe__nvmlDeviceGetMemoryInfo", "uretprobe__meminfo_return"),
+    "nvmlDeviceGetMemoryInfo_v2": ("uprobe__nvmlDeviceGetMemoryInfo_v2", "uretprobe__meminfo_return"),
+}
+
 # Entry points whose denial is undone by stop-and-rewrite (their uprobe runs admission).
 ALLOC_SYMBOLS = tuple(s for s, (p, _) in CORE_PROBES.items()
                       if p in ("uprobe__cuMemAlloc_v2", "uprobe__cuMemAllocPitch_v2", "uprobe__cuMemCreate"))
@@ -224,7 +232,8 @@ class Probes:
         self._handler: Callable[[abi.Event], None] | None = None
         self.map = {name: self.bpf[name] for name in (
             "procs", "proc_cfg", "pmem", "grp_mem", "grp_lim", "allocs", "inflight",
-            "ctx_dev", "cur_ctx", "launches", "config", "stats", "sm_grant", "sm_use")}
+            "ctx_dev", "cur_ctx", "launches", "config", "stats", "sm_grant", "sm_use",
+            "nvml_dev")}
 
     # attach / detach
 
@@ -330,6 +339,22 @@ class Probes:
                              f"{a.skipped.get('cuMemAlloc_v2', 'failed')}")
         return a
 
+    def attach_nvml(self, lib: str, symbols: Iterable[str] | None = None) -> list[str]:
+        """Probe libnvidia-ml's memory queries, so a limited workload's
+        nvidia-smi-style view shows its limit too. Symbols it lacks are skipped."""
+        present = set(symbols) if symbols is not None else None
+        a = self.attached.setdefault(lib, Attached(lib))
+        for sym, (entry, ret) in NVML_PROBES.items():
+            if present is not None and sym not in present:
+                continue
+            try:
+                self._attach(lib, sym, entry)
+                self._attach(lib, sym, ret, ret=True)
+                a.core.append(sym)
+            except Exception as e:
+                a.skipped[sym] = f"attaching uprobe {sym} to {lib}: {e}"
+        return [s for s in a.core if s in NVML_PROBES]
+
     def attach_launch(self, lib: str, symbols: Iterable[str] | None = None) -> list[str]:
         a = self.attached.setdefault(lib, Attached(lib))
         present = set(symbols) if symbols is not None else None
@@ -373,7 +398,7 @@ class Probes:
                 then()
             return
         jobs = ([(s, True, False) for s in a.launch] + [(s, True, True) for s in a.sync] +
-                [(s, True, CORE_PROBES[s][1] is not None) for s in a.core])
+                [(s, True, (CORE_PROBES.get(s) or NVML_PROBES[s])[1] is not None) for s in a.core])
         self._detach_later(lib, jobs, then)
 
     def launch_probes_attached(self) -> int:
@@ -525,6 +550,7 @@ class Probes:
         """Delete records the exit program can't reach (allocations, contexts) of dead processes."""
         n = 0
         for name, get in (("allocs", lambda k: k.tgid), ("ctx_dev", lambda k: k.tgid),
+                          ("nvml_dev", lambda k: k.tgid),
                           ("pmem", lambda k: k.tgid)):
             t = self.map[name]
             dead = [k for k in t.keys() if get(k) not in live]

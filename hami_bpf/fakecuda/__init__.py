@@ -50,6 +50,7 @@ CUDA_ERROR_INVALID_CONTEXT = 201
 SRC_DIR = Path(__file__).resolve().parent
 LIB_SOURCE = SRC_DIR / "libcuda.c"
 PROG_SOURCE = SRC_DIR / "cudaprog.c"
+NVML_SOURCE = Path(__file__).with_name("libnvidia-ml.c")
 
 # Every exported entry must start with `push %rbp` (0x55), like libcuda 580:
 # no endbr64 (-fcf-protection=none), a frame in every function (the ENTRY()
@@ -126,7 +127,7 @@ def default_cache_dir() -> Path:
 
 def _source_hash(cc: str) -> str:
     h = hashlib.sha256()
-    for part in (LIB_SOURCE.read_bytes(), PROG_SOURCE.read_bytes(),
+    for part in (LIB_SOURCE.read_bytes(), PROG_SOURCE.read_bytes(), NVML_SOURCE.read_bytes(),
                  " ".join(LIB_CFLAGS).encode(), " ".join(PROG_CFLAGS).encode(),
                  cc.encode()):
         h.update(part)
@@ -162,6 +163,7 @@ def build(dest: Path | None = None, cc: str | None = None) -> FakeCuda:
         _run_cc([cc, *LIB_CFLAGS, "-o", str(tmp / "libcuda.so.1"), str(LIB_SOURCE),
                  "-pthread", "-ldl"])
         (tmp / "libcuda.so").symlink_to("libcuda.so.1")
+        _run_cc([cc, *LIB_CFLAGS, "-o", str(tmp / "libnvidia-ml.so.1"), str(NVML_SOURCE)])
         # rpath names the final directory, not the temporary one
         _run_cc([cc, *PROG_CFLAGS, "-o", str(tmp / "cudaprog"), str(PROG_SOURCE),
                  f"-L{tmp}", "-lcuda", f"-Wl,-rpath,{out}", "-ldl"])

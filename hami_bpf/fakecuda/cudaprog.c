@@ -438,6 +438,35 @@ static void run_command(char *line)
         size_t tot = 0;
         rc = cuDeviceTotalMem_v2(&tot, (int)n);
         reply("ok rc=%d total=%zu", rc, tot);
+    } else if (!strcmp(c, "nvmlmem") || !strcmp(c, "nvmlmem2")) {
+        /* What nvidia-smi inside a container asks: NVML's memory info for
+         * device N (the library is dlopen'ed, as tools do). */
+        NEED(1, "nvmlmem N");
+        INT_ARG(1, n, "nvmlmem N");
+        void *h = dlopen("libnvidia-ml.so.1", RTLD_NOW);
+        if (!h) {
+            reply("err dlopen libnvidia-ml.so.1: %s", dlerror());
+            return;
+        }
+        int (*init)(void) = (int (*)(void))dlsym(h, "nvmlInit_v2");
+        int (*get)(unsigned, void **) = (int (*)(unsigned, void **))dlsym(h, "nvmlDeviceGetHandleByIndex_v2");
+        void *dev = NULL;
+        if (!init || !get || init() != 0 || (rc = get((unsigned)n, &dev)) != 0) {
+            reply("ok rc=%d", rc ? rc : 999);
+            return;
+        }
+        if (!strcmp(c, "nvmlmem")) {
+            struct { unsigned long long total, free, used; } m = {0};
+            int (*mi)(void *, void *) = (int (*)(void *, void *))dlsym(h, "nvmlDeviceGetMemoryInfo");
+            rc = mi(dev, &m);
+            reply("ok rc=%d total=%llu free=%llu used=%llu", rc, m.total, m.free, m.used);
+        } else {
+            struct { unsigned version; unsigned long long total, reserved, free, used; } m = {0};
+            m.version = (unsigned)(sizeof(m) | (2u << 24));
+            int (*mi)(void *, void *) = (int (*)(void *, void *))dlsym(h, "nvmlDeviceGetMemoryInfo_v2");
+            rc = mi(dev, &m);
+            reply("ok rc=%d total=%llu free=%llu used=%llu", rc, m.total, m.free, m.used);
+        }
     } else if (!strcmp(c, "launch") || !strcmp(c, "launchex") || !strcmp(c, "coop") ||
                !strcmp(c, "graph")) {
         NEED(1, "launch N");

@@ -158,3 +158,19 @@ def test_meminfo_reports_the_limit(daemon, fakecuda):
         assert (rc, total, free) == (0, LIMIT, LIMIT - used)
         r = t.cmd("totalmem 0")
         assert (int(r["rc"]), int(r["total"])) == (0, LIMIT)
+
+
+@pytest.mark.parametrize("cmd", ["nvmlmem", "nvmlmem2"])
+def test_nvml_memory_query_reports_the_limit(daemon, fakecuda, cmd):
+    """What nvidia-smi inside the workload asks (nvmlDeviceGetMemoryInfo and
+    _v2, through a dlopen'ed libnvidia-ml): the group's limit as total."""
+    with Tracked.spawn(fakecuda, lname()) as t, Tracked.spawn(fakecuda, "free-" + uuid.uuid4().hex[:6]) as u:
+        t.alloc("alloc 10M", 0)
+        converge(daemon, [t, u])
+        r = t.cmd(f"{cmd} 0")
+        used = sum(t.expected().values())
+        assert int(r["rc"]) == 0
+        assert (int(r["total"]), int(r["used"]), int(r["free"])) == (LIMIT, used, LIMIT - used)
+        # Unlimited group: the device's own figures, untouched.
+        r = u.cmd(f"{cmd} 0")
+        assert int(r["total"]) == 16 << 30 and int(r["used"]) == 0
