@@ -37,6 +37,7 @@ log = logging.getLogger("hami_bpf")
 POLL_MS = 100
 THROTTLE_TICK_S = 0.05
 HELD_TICK_S = 0.005
+MAX_HOLD_S = 0.25          # no group is held longer than this, budget or not
 RESUME_MARGIN_S = 0.02
 THROTTLED_SHOWN_S = 1.0   # a group held back within this long shows as throttled
 GRAPH_COST = 4096          # cost units per cuGraphLaunch (feedback corrects it where NVML is)
@@ -915,7 +916,12 @@ class Daemon:
                 margin = (b.rate or 0) * RESUME_MARGIN_S
                 room = room and consumed + margin < granted
                 self.sm_share[key] = b.last_share
-            if room and group in self.throttled:
+            held_for = now - self.throttle_since.get(group, now)
+            if group in self.throttled and (room or held_for > MAX_HOLD_S):
+                if not room:
+                    # A hold must never outlive one refill period: whatever the
+                    # budget says, the group runs again (and is counted).
+                    self.counters["holds_cut_short"] += 1
                 self._resume_group(group)
             if group in self.throttled:
                 self.last_throttled[group] = now

@@ -53,6 +53,7 @@ class Budget:
     mark: tuple[float, int] | None = None   # (time, consumed) where learning starts to count
     last_t: float | None = None
     last_consumed: int = 0
+    credit: float | None = None      # granted, unrounded
     last_share: float | None = None  # measured share, percent of uncapped
     utils: list = field(default_factory=list)
     done: list = field(default_factory=list)   # (time, completed) when completed advanced
@@ -104,7 +105,7 @@ def tick(b: Budget, *, now: float, consumed: int, util: float | None = None,
             b.full_rate, b.by_completion = pace, True
             b.full_util = (sum(b.utils) / len(b.utils)) if b.utils else None
             b.rate = max(MIN_RATE, b.cap / 100.0 * b.full_rate)
-            b.granted = consumed
+            b.granted, b.credit = consumed, float(consumed)
             return b.granted
         if b.done and age < LEARN_MAX_S:
             if util is not None:
@@ -120,7 +121,7 @@ def tick(b: Budget, *, now: float, consumed: int, util: float | None = None,
         b.full_rate = (consumed - b.mark[1]) / (now - b.mark[0])
         b.full_util = (sum(b.utils) / len(b.utils)) if b.utils else None
         b.rate = max(MIN_RATE, b.cap / 100.0 * b.full_rate)
-        b.granted = consumed   # withdraw the learning grant: the bank starts empty
+        b.granted, b.credit = consumed, float(consumed)   # the bank starts empty
         return b.granted
 
     base = max(MIN_RATE, b.cap / 100.0 * b.full_rate)
@@ -138,8 +139,13 @@ def tick(b: Budget, *, now: float, consumed: int, util: float | None = None,
     elif b.full_rate:
         b.last_share = 100.0 * rate_seen / b.full_rate
     b.rate = base * b.trim
+    # Credit is kept as a float: at a few units per second, rounding each
+    # tick's grant down to an integer would grant nothing, ever.
     bank_cap = consumed + b.rate * burst_s
-    b.granted = int(max(b.granted, min(b.granted + b.rate * dt, bank_cap)))
+    b.credit = max(b.credit if b.credit is not None else float(b.granted),
+                   min((b.credit if b.credit is not None else float(b.granted)) + b.rate * dt,
+                       bank_cap))
+    b.granted = max(b.granted, int(math.ceil(b.credit)))
     return b.granted
 
 

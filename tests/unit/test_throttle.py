@@ -105,3 +105,14 @@ def test_caps_a_deep_launch_queue_by_its_completions(cap):
     achieved, b = simulate_queued_gpu(cap)
     assert b.by_completion
     assert abs(achieved * 100 - cap) <= 5, (achieved, b)
+
+
+def test_a_tiny_rate_still_grants_over_time():
+    # Rounding each tick's grant to an integer once granted nothing at a few
+    # units per second, and a held TP=2 job never resumed (H200 x2).
+    b = Budget(cap=10)
+    run(b, lambda: 3, LEARN_S + 0.5)
+    assert not b.learning and b.rate < 5
+    g0 = b.granted
+    _, g1 = run(b, lambda: 0, 5.0, start=b.last_t, consumed=b.last_consumed)
+    assert g1 > g0
