@@ -111,7 +111,7 @@ def test_a_tiny_rate_still_grants_over_time():
     # Rounding each tick's grant to an integer once granted nothing at a few
     # units per second, and a held TP=2 job never resumed (H200 x2).
     b = Budget(cap=10)
-    run(b, lambda: 3, LEARN_S + 0.5)
+    run(b, lambda: 40, LEARN_S + 0.5)
     assert not b.learning and b.rate < 5
     g0 = b.granted
     _, g1 = run(b, lambda: 0, 5.0, start=b.last_t, consumed=b.last_consumed)
