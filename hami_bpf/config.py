@@ -59,6 +59,7 @@ class DaemonConfig:
     state_dir: str = DEFAULT_STATE_DIR
     verbose: bool = False
     context_bytes: int | None = None     # device memory a process's context holds; None = auto
+    sm_limits: bool = False              # enforce SM caps (throttle launches); off: caps are shown only
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "libcuda", tuple(self.libcuda))

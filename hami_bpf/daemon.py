@@ -279,6 +279,7 @@ class Daemon:
         self.throttle_since: dict[str, float] = {}
         self._prev_use: dict[tuple[int, int], tuple[float, int]] = {}
         self.last_throttled: dict[str, float] = {}
+        self._sm_unenforced: set[str] = set()
         self.sm_share: dict[tuple[int, int], float | None] = {}
         self.events_log: collections.deque[EventRecord] = collections.deque(maxlen=EVENT_LOG_LEN)
         self._seq = 0
@@ -859,6 +860,12 @@ class Daemon:
         """Like memory: a member can lower its group's SM cap, never raise it."""
         if sm is None or sm <= 0 or sm >= 100:
             return
+        if not self.cfg.sm_limits:
+            if group not in self._sm_unenforced:
+                self._sm_unenforced.add(group)
+                self.record("config", f"group {group!r} asks for an SM cap of {sm}%: not enforced "
+                            "(run with --sm-limits to throttle launches)", group=group, sm=sm)
+            return
         caps = self.sm_caps.setdefault(group, {})
         old = caps.get(dev)
         if old is not None and old <= sm:
@@ -1034,6 +1041,7 @@ class Daemon:
                     self.probes.delete_proc_cfg(a.key.pid)
             elif isinstance(a, DeleteGroup):
                 self.probes.delete_group(a.index)
+                self._sm_unenforced.discard(a.name)
                 self.last_throttled.pop(a.name, None)
                 for key in [k for k in self.sm_share if k[0] == a.index]:
                     del self.sm_share[key]

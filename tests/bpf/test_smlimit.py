@@ -70,7 +70,7 @@ def launch_probes(d: Daemon) -> int:
 
 @pytest.fixture(scope="module")
 def daemon(fakecuda):
-    d = Daemon(fakecuda).start()
+    d = Daemon(fakecuda, extra=["--sm-limits"]).start()
     yield d
     finish_daemon(d)
 
@@ -135,7 +135,7 @@ def test_utilization_policy_disable_never_throttles(daemon, fakecuda):
 def test_sigkill_daemon_while_throttled_then_restart_leaves_none_stopped(tmp_path):
     # Its own copy of the library: the module's daemon must not see these processes.
     fakecuda = build(tmp_path / "lib")
-    d = Daemon(fakecuda).start()
+    d = Daemon(fakecuda, extra=["--sm-limits"]).start()
     g = f"kill-{uuid.uuid4().hex[:6]}"
     procs = [spawn(fakecuda, g, sm=10) for _ in range(2)]
     try:
@@ -166,3 +166,23 @@ def test_sigkill_daemon_while_throttled_then_restart_leaves_none_stopped(tmp_pat
     finally:
         for p in procs:
             p.close()
+
+
+def test_caps_are_not_enforced_without_sm_limits(tmp_path):
+    """SM limiting is opt-in (--sm-limits) until it is accurate everywhere: by
+    default a capped group runs untouched, no launch probe is attached, and the
+    daemon says why."""
+    fakecuda = build(tmp_path / "lib")   # the module's --sm-limits daemon must not see it
+    d = Daemon(fakecuda).start()
+    try:
+        p = spawn(fakecuda, f"capoff-{uuid.uuid4().hex[:6]}", sm=20)
+        try:
+            run = Launching(p, 200000)
+            samples = run.sample_until_done()
+            assert all(s[0] != "T" for s in samples)
+            assert launch_probes(d) == 0
+            assert "not enforced" in d.log()
+        finally:
+            p.close()
+    finally:
+        finish_daemon(d)

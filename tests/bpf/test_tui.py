@@ -102,7 +102,7 @@ def header(text: str) -> str:
 
 @pytest.fixture(scope="module")
 def daemon(fakecuda):
-    d = Daemon(fakecuda, count_launches=True).start()
+    d = Daemon(fakecuda, count_launches=True, extra=["--sm-limits"]).start()
     yield d
     finish_daemon(d)
 
