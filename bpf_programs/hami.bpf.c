@@ -210,6 +210,17 @@ static __always_inline void note_device(__u32 tgid, __s32 dev)
 		p->last_dev = dev;
 }
 
+/* The entry probe's saved arguments for this thread, taken out of the map. */
+static __always_inline int take_call(__u32 tid, struct hami_call *out)
+{
+	struct hami_call *c = inflight.lookup(&tid);
+	if (!c)
+		return 0;
+	*out = *c;
+	inflight.delete(&tid);
+	return 1;
+}
+
 /* ---- admission ---------------------------------------------------------- */
 
 /*
@@ -333,11 +344,9 @@ static __always_inline int alloc_return(struct pt_regs *ctx)
 {
 	__u64 id = bpf_get_current_pid_tgid();
 	__u32 tgid = id >> 32, tid = (__u32)id;
-	struct hami_call *c = inflight.lookup(&tid);
-	if (!c)
+	struct hami_call call;
+	if (!take_call(tid, &call))
 		return 0;
-	struct hami_call call = *c;
-	inflight.delete(&tid);
 	if (call.fn != HAMI_FN_ALLOC && call.fn != HAMI_FN_PITCH && call.fn != HAMI_FN_CREATE)
 		return 0;
 
@@ -503,11 +512,9 @@ int uretprobe__ctx_return(struct pt_regs *ctx)
 {
 	__u64 id = bpf_get_current_pid_tgid();
 	__u32 tgid = id >> 32, tid = (__u32)id;
-	struct hami_call *c = inflight.lookup(&tid);
-	if (!c)
+	struct hami_call call;
+	if (!take_call(tid, &call))
 		return 0;
-	struct hami_call call = *c;
-	inflight.delete(&tid);
 	if ((call.fn != HAMI_FN_CTXRETAIN && call.fn != HAMI_FN_CTXCREATE) || PT_REGS_RC(ctx) != 0)
 		return 0;
 	__u64 cu_ctx = 0;
@@ -657,11 +664,9 @@ int uretprobe__nvml_handle_return(struct pt_regs *ctx)
 {
 	__u64 id = bpf_get_current_pid_tgid();
 	__u32 tgid = id >> 32, tid = (__u32)id;
-	struct hami_call *c = inflight.lookup(&tid);
-	if (!c)
+	struct hami_call call;
+	if (!take_call(tid, &call))
 		return 0;
-	struct hami_call call = *c;
-	inflight.delete(&tid);
 	if (call.fn != HAMI_FN_NVMLHANDLE || PT_REGS_RC(ctx) != 0)
 		return 0;
 	__u64 handle = 0;
@@ -708,11 +713,9 @@ int uprobe__nvmlDeviceGetMemoryInfo_v2(struct pt_regs *ctx)
 int uretprobe__meminfo_return(struct pt_regs *ctx)
 {
 	__u32 tid = (__u32)bpf_get_current_pid_tgid();
-	struct hami_call *c = inflight.lookup(&tid);
-	if (!c)
+	struct hami_call call;
+	if (!take_call(tid, &call))
 		return 0;
-	struct hami_call call = *c;
-	inflight.delete(&tid);
 	if ((call.fn != HAMI_FN_MEMINFO && call.fn != HAMI_FN_TOTALMEM && call.fn != HAMI_FN_NVMLMEM) ||
 	    PT_REGS_RC(ctx) != 0)
 		return 0;

@@ -29,8 +29,12 @@ mount -t devtmpfs devtmpfs /dev 2>/dev/null
 mkdir -p /dev/pts /dev/shm
 mount -t devpts devpts /dev/pts
 mount -t tmpfs tmpfs /dev/shm
+# The checkout may live under /tmp or /run (CI clones wherever it likes):
+# keep it visible at the same path across the fresh tmpfs mounts below.
+mkdir -p /hami-repo && mount --bind "$REPO" /hami-repo
 mount -t tmpfs tmpfs /tmp
 mount -t tmpfs tmpfs /run
+mkdir -p "$REPO" && mount --bind /hami-repo "$REPO"
 mount -t tracefs nodev /sys/kernel/tracing
 mount -t debugfs nodev /sys/kernel/debug
 mount -t bpf bpf /sys/fs/bpf
