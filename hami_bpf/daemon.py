@@ -957,6 +957,8 @@ class Daemon:
             if key.pid in held:
                 continue
             if key.pid != pid:
+                if enforce.proc_state(key.pid) in ("T", "t"):
+                    continue   # someone else's stop: not ours to hold, nor to resume
                 try:
                     os.kill(key.pid, signal.SIGSTOP)
                 except ProcessLookupError:
