@@ -91,9 +91,14 @@ class UnixGroupType(click.ParamType):
               help="Enforce SM caps (CUDA_DEVICE_SM_LIMIT, policy `sm`) by throttling launches. "
                    "Off by default until its accuracy is proven on every workload kind "
                    "(docs/benchmarks.md); caps are then shown but not enforced.")
+@click.option("--hami-regions", "hami_regions", default=None, metavar="DIR",
+              type=click.Path(file_okay=False),
+              help="Publish one HAMi shared-region file per group under DIR, for HAMi's node "
+                   "monitor (HAMi's is /usr/local/vgpu/containers) [default: off].")
 @click.option("-v", "--verbose", is_flag=True, help="Log debug details.")
 def run(libcuda, group_by, socket_path, count_launches, policy, env_limits, oom_action,
-        metrics_addr, socket_group, demo, state_dir, context_bytes, sm_limits, verbose):
+        metrics_addr, socket_group, demo, state_dir, context_bytes, sm_limits, hami_regions,
+        verbose):
     """Start the daemon: attach probes, keep the slot table, serve the socket."""
     if os.geteuid() != 0:
         raise CliError("run needs root (CAP_BPF, CAP_PERFMON)")
@@ -101,7 +106,8 @@ def run(libcuda, group_by, socket_path, count_launches, policy, env_limits, oom_
                        count_launches=count_launches, policy=policy, env_limits=env_limits,
                        oom_action=oom_action, metrics_addr=metrics_addr,
                        socket_group=socket_group, demo=demo, state_dir=state_dir,
-                       verbose=verbose, context_bytes=context_bytes, sm_limits=sm_limits)
+                       verbose=verbose, context_bytes=context_bytes, sm_limits=sm_limits,
+                       hami_regions=hami_regions)
     # Imported here: the daemon pulls in bcc, which the other commands must not need.
     from hami_bpf import daemon
     try:

@@ -60,6 +60,7 @@ class DaemonConfig:
     verbose: bool = False
     context_bytes: int | None = None     # device memory a process's context holds; None = auto
     sm_limits: bool = False              # enforce SM caps (throttle launches); off: caps are shown only
+    hami_regions: str | None = None      # publish HAMi shared-region files under this dir; None = off
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "libcuda", tuple(self.libcuda))

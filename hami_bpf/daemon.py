@@ -1054,6 +1054,8 @@ class Daemon:
                     self._prev_use.pop(key, None)
                 if self.sm_caps.pop(a.name, None):
                     self._sync_launch_probes()
+                if self.cfg.hami_regions:
+                    self._publish_regions(None, gone=a.name)
                 self.record("group", f"group {a.name!r} is empty: deleted", group=a.name)
             elif isinstance(a, Compacted):
                 moves = [{"pid": k.pid, "from": f, "to": t} for k, f, t in a.moves]
@@ -1203,6 +1205,123 @@ class Daemon:
         self._snap = Snapshot(SCHEMA_VERSION, time.time(), self.simulated, self.mechanisms,
                               self.devices.infos() if hasattr(self, "devices") else (),
                               tuple(procs), tuple(groups), counters)
+        if self.cfg.hami_regions:
+            self._publish_regions(now)
+
+    def _publish_regions(self, now: float | None, gone: str | None = None) -> None:
+        """--hami-regions DIR: one HAMi shared-region file per group
+        (DIR/<pod uid>_<container>/hami-bpf.cache for a pod's container, else
+        DIR/<sanitized group name>/hami-bpf.cache), so HAMi's node monitor keeps
+        working. At most once a second; unchanged regions are not rewritten.
+        ``gone``: that group was deleted, remove its file now. I/O errors are
+        recorded (once per path) and never stop the daemon; an unsafe DIR is
+        refused at start-up."""
+        import hashlib
+        import re
+        import stat as st_
+        from . import hami_region as hr
+        s = self.__dict__.get("_hr")
+        if s is None:
+            s = self._hr = {"files": {}, "last": {}, "errors": set(), "next": 0.0, "checked": False}
+        root = os.path.abspath(self.cfg.hami_regions)
+
+        def err(path: str, what: str) -> None:
+            if path not in s["errors"]:
+                s["errors"].add(path)
+                self.record("error", f"--hami-regions: {what}", path=path)
+
+        def remove(group: str) -> None:
+            d, f, made = s["files"].pop(group)
+            s["last"].pop(f, None)
+            try:
+                os.unlink(f)
+                if made:
+                    os.rmdir(d)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                err(f, f"removing {f}: {e}")
+
+        if gone is not None:
+            if gone in s["files"]:
+                remove(gone)
+            return
+        # The directory must be ours alone: a link or a directory others can
+        # write to would let them steer what root writes.
+        first = not s["checked"]
+        try:
+            if first:
+                os.makedirs(root, 0o755, exist_ok=True)
+            st = os.lstat(root)
+            bad = ("is a symbolic link" if st_.S_ISLNK(st.st_mode) else
+                   "is not a directory" if not st_.S_ISDIR(st.st_mode) else
+                   "is writable by group or others" if st.st_mode & 0o022 else
+                   f"is owned by uid {st.st_uid}, not {os.geteuid()}" if st.st_uid != os.geteuid()
+                   else None)
+        except OSError as e:
+            bad = str(e)
+        if bad:
+            if first:
+                raise DaemonError(f"--hami-regions {root}: {bad}; refusing to write there")
+            err(root, f"{root} {bad}: not publishing")
+            return
+        s["checked"] = True
+        s["errors"].discard(root)
+        if now is not None and now < s["next"]:
+            self._dirty = True          # come back when due: the change must not be lost
+            return
+        s["next"] = (now if now is not None else time.monotonic()) + 1.0
+        snap = self._snap
+        js = snap.to_json()
+        by_pid = {p.pid: p for p in snap.processes}
+        devinfo = {d.index: d for d in snap.devices}
+        ndev = min(self.devices.count if hasattr(self, "devices") else len(devinfo), hr.MAX_DEVICES)
+        live = set()
+        for g in snap.groups:
+            live.add(g.id)
+            first_pid = g.slots[0].pid if g.slots else None
+            info = self.info.get(first_pid) if first_pid is not None else None
+            p0 = by_pid.get(first_pid) if first_pid is not None else None
+            lab = dict(p0.labels) if p0 else {}
+            if lab.get("pod_uid") and lab.get("container"):
+                name = hr.region_dir_name(lab["pod_uid"], lab["container"])
+            else:
+                name = re.sub(r"[^A-Za-z0-9_.-]", "_", g.id)[:120]
+                if name != g.id or name.startswith("."):
+                    name = f"{name}-{hashlib.sha1(g.id.encode()).hexdigest()[:8]}"
+            if "/" in name or name in (".", ".."):
+                name = "group-" + hashlib.sha1(g.id.encode()).hexdigest()[:16]
+            d = os.path.join(root, name)
+            f = os.path.join(d, "hami-bpf.cache")
+            old = s["files"].get(g.id)
+            if old and old[1] != f:
+                remove(g.id)
+                old = None
+            visible = [x for x in (info.phys if info else range(ndev))][:ndev]
+            uuids = [(devinfo[x].uuid if x in devinfo and devinfo[x].uuid else f"hami-bpf-dev{x}")
+                     for x in visible]
+            caps = self.sm_caps.get(g.id, {})
+            try:
+                region = hr.region_from_snapshot(js, g.id, uuids, visible,
+                                                 context_bytes=self.ctx_bytes,
+                                                 sm_limits=[caps.get(x, 0) for x in visible])
+                if old is None:
+                    made = not os.path.isdir(d)
+                    if made:
+                        os.mkdir(d, 0o755)
+                    s["files"][g.id] = (d, f, made)
+                elif not os.path.isdir(d):     # removed under us (HAMi's monitor cleans up)
+                    os.mkdir(d, 0o755)
+                if s["last"].get(f) == region and os.path.exists(f):
+                    continue
+                s["last"].pop(f, None)
+                hr.publish_region(f, region)
+                s["last"][f] = region
+                s["errors"].discard(f)
+            except (OSError, ValueError) as e:
+                err(f, f"group {g.id!r}: writing {f}: {e}")
+        for group in [x for x in s["files"] if x not in live]:
+            remove(group)
 
 
 def run(cfg: DaemonConfig) -> None:

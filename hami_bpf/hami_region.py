@@ -51,6 +51,7 @@ caller passes the visible-to-physical map.
 from __future__ import annotations
 
 import os
+import stat
 import struct
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
@@ -262,9 +263,20 @@ def publish_region(path: str | os.PathLike, r: Region) -> None:
     duration of the write, as they can with HAMi-core's own writers. Each slot's
     sequence counter is left even."""
     img = encode_region(r)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    # The directory may be shared with a container (HAMi mounts it there):
+    # never follow a link planted in it, never write through a hard link, and
+    # leave the file ours and 0644 at most.
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK,
+                 0o644)
     try:
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            raise RegionError(f"{path}: not a plain file with one link; not writing it")
+        if st.st_mode & 0o133:
+            os.fchmod(fd, st.st_mode & 0o644)
+        if st.st_uid != os.geteuid():
+            os.fchown(fd, os.geteuid(), os.getegid())
+        size = st.st_size
         if size < REGION_SIZE:
             os.pwrite(fd, img, 0)
             return
