@@ -284,6 +284,17 @@ def _detach_hard(pid: int, tid: int, tries: int = 10) -> None:
     log.error("pid %d tid %d: could not detach; it stays traced until hami-bpf exits", pid, tid)
 
 
+def _release(pid: int, stopped: "StoppedSet | None") -> None:
+    """Resume a process we held and drop it from the record: the one SIGCONT
+    of a hold (a second one could cancel the process's next stop)."""
+    resume(pid)
+    if stopped is not None:
+        try:
+            stopped.remove(pid)
+        except OSError as e:
+            log.warning("cannot update stopped-set for pid %d: %s", pid, e)
+
+
 def fail_call(
     pid: int,
     tid: int,
@@ -364,12 +375,7 @@ def fail_call(
                     error = e
                 resume(pid)
                 _detach_hard(pid, tid)
-        resume(pid)
-        if stopped is not None:
-            try:
-                stopped.remove(pid)
-            except OSError as e:
-                log.warning("cannot update stopped-set for pid %d: %s", pid, e)
+        _release(pid, stopped)
 
     if error is not None:
         if isinstance(error, (KeyboardInterrupt, SystemExit)):
@@ -416,12 +422,7 @@ def write_meminfo(
     except BaseException as e:  # noqa: BLE001
         error = e
     finally:
-        resume(pid)
-        if stopped is not None:
-            try:
-                stopped.remove(pid)
-            except OSError as e:
-                log.warning("cannot update stopped-set for pid %d: %s", pid, e)
+        _release(pid, stopped)
     if error is not None:
         if isinstance(error, (KeyboardInterrupt, SystemExit)):
             raise error
