@@ -87,6 +87,18 @@ def describe_pids(pids: Iterable[int]) -> str:
 
 # ------------------------------------------------------------------- daemon
 
+def write_policy(path: str | os.PathLike, text: str) -> Path:
+    """A policy file the daemon accepts: root-owned, 0600 (it refuses anything
+    a workload could have written)."""
+    path = Path(path)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chown(path, 0, 0)
+    os.chmod(path, 0o600)
+    return path
+
+
 class DaemonError(RuntimeError):
     pass
 

@@ -2,12 +2,11 @@
 using a device reserves --context-bytes of its group's limit there."""
 from __future__ import annotations
 
-import os
 import uuid
 
 import pytest
 
-from helpers import Daemon, Tracked, converge, finish_daemon, wait_registered
+from helpers import Daemon, Tracked, converge, finish_daemon, wait_registered, write_policy
 
 pytestmark = pytest.mark.bpf
 
@@ -19,10 +18,8 @@ OOM = 2
 
 @pytest.fixture(scope="module")
 def daemon(fakecuda, tmp_path_factory):
-    path = tmp_path_factory.mktemp("policy") / "policy.toml"
-    path.write_text(f'[[group]]\nmatch = "ctx*"\nmemory = {LIMIT}\n')
-    os.chown(path, 0, 0)
-    os.chmod(path, 0o600)
+    path = write_policy(tmp_path_factory.mktemp("policy") / "policy.toml",
+                        f'[[group]]\nmatch = "ctx*"\nmemory = {LIMIT}\n')
     d = Daemon(fakecuda, policy=path, extra=["--context-bytes", "8Mi"]).start()
     yield d
     finish_daemon(d)

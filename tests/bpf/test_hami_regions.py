@@ -14,7 +14,7 @@ import uuid
 import pytest
 
 from hami_bpf.hami_region import decode_region
-from helpers import Daemon, DaemonError, Tracked, converge, finish_daemon, wait_for
+from helpers import Daemon, DaemonError, Tracked, converge, finish_daemon, wait_for, write_policy
 
 pytestmark = pytest.mark.bpf
 
@@ -28,13 +28,8 @@ def lname(prefix: str = "limR") -> str:
 
 @pytest.fixture(scope="module")
 def policy_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("policy") / "policy.toml"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(f'[[group]]\nmatch = "lim*"\nmemory = {LIMIT}\n')
-    os.chown(path, 0, 0)
-    os.chmod(path, 0o600)
-    return path
+    return write_policy(tmp_path_factory.mktemp("policy") / "policy.toml",
+                        f'[[group]]\nmatch = "lim*"\nmemory = {LIMIT}\n')
 
 
 @pytest.fixture(scope="module")

@@ -7,12 +7,11 @@ LIMIT), so the tests do not share budget.
 """
 from __future__ import annotations
 
-import os
 import uuid
 
 import pytest
 
-from helpers import Daemon, Tracked, converge, finish_daemon, wait_for, wait_registered
+from helpers import Daemon, Tracked, converge, finish_daemon, wait_for, wait_registered, write_policy
 
 pytestmark = pytest.mark.bpf
 
@@ -27,13 +26,8 @@ def lname(prefix: str = "limA") -> str:
 
 @pytest.fixture(scope="module")
 def policy_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("policy") / "policy.toml"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(f'[[group]]\nmatch = "lim*"\nmemory = {LIMIT}\n')
-    os.chown(path, 0, 0)
-    os.chmod(path, 0o600)
-    return path
+    return write_policy(tmp_path_factory.mktemp("policy") / "policy.toml",
+                        f'[[group]]\nmatch = "lim*"\nmemory = {LIMIT}\n')
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bpf"))
-from helpers import (Daemon, DaemonError, Tracked, converge, finish_daemon,  # noqa: E402
+from helpers import (write_policy, Daemon, DaemonError, Tracked, converge, finish_daemon,  # noqa: E402
                      hami_bpf_bin, wait_for, wait_registered)
 
 pytestmark = pytest.mark.bpf
@@ -76,12 +76,8 @@ def _kernel(rep: dict) -> str:
 
 @pytest.fixture(scope="module")
 def policy_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("policy") / "policy.toml"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(f'[[group]]\nmatch = "mech*"\nmemory = {LIMIT}\n')
-    os.chown(path, 0, 0)
-    return path
+    return write_policy(tmp_path_factory.mktemp("policy") / "policy.toml",
+                        f'[[group]]\nmatch = "mech*"\nmemory = {LIMIT}\n')
 
 
 def gname() -> str:
