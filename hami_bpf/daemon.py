@@ -28,7 +28,7 @@ from .limits import (EnvLimits, PolicyError, effective_limits, load_policy, pars
                      physical_to_visible, visible_to_physical)
 from .metrics import observe_exit_latency
 from .slots import SlotTable
-from .throttle import Budget, shares, tick as budget_tick
+from .throttle import Budget, neighbours, tick as budget_tick
 from .snapshot import (SCHEMA_VERSION, DeviceInfo, DeviceUsage, EventRecord, GroupInfo, ProcessInfo,
                        SlotInfo, Snapshot)
 
@@ -187,6 +187,7 @@ class Devices:
     simulated: bool
     uuid_to_index: dict[str, int] = field(default_factory=dict)
     nvml: bool = False
+    sim: object | None = None     # fakecuda.sim.SimGpu: utilization of the simulated GPU
 
     @classmethod
     def discover(cls, simulated: bool) -> "Devices":
@@ -202,10 +203,20 @@ class Devices:
         except Exception as e:
             log.info("NVML unavailable (%s): device count from FAKECUDA_DEVICES or 2", e)
         n = int(os.environ.get("FAKECUDA_DEVICES", "2") or 2)
-        return cls(max(1, min(n, abi.MAX_DEVS)), simulated)
+        sim = None
+        if os.environ.get("HAMI_BPF_SIM_GPU"):
+            from .fakecuda.sim import SimGpu
+            sim = SimGpu(os.environ["HAMI_BPF_SIM_GPU"])
+        return cls(max(1, min(n, abi.MAX_DEVS)), simulated, sim=sim)
+
+    @property
+    def has_utilization(self) -> bool:
+        return self.nvml or self.sim is not None
 
     def utilization(self) -> dict[int, float | None]:
         """Device-level SM utilization, percent (NVML in the GPU VM lists no processes)."""
+        if self.sim is not None:
+            return self.sim.utilization(self.count)
         import pynvml
         out = {}
         for i in range(self.count):
@@ -900,10 +911,11 @@ class Daemon:
             if prev and now > prev[0]:
                 rates[key[1]][key] = max(0, consumed - prev[1]) / (now - prev[0])
             self._prev_use[key] = (now, consumed)
-        util = self.devices.utilization() if self.devices.nvml else {}
+        util = self.devices.utilization() if self.devices.has_utilization else {}
         share = {}
+        known = {k: b for k, b in self.budgets.items() if not b.learning}
         for dev, r in rates.items():
-            share.update(shares(util.get(dev), r))
+            share.update(neighbours(util.get(dev), r, known))
         for group, caps in list(self.sm_caps.items()):
             g = self.table.group(group)
             if g is None:
@@ -916,8 +928,16 @@ class Daemon:
                     b = self.budgets[key] = Budget(cap=cap)
                 b.cap = cap
                 consumed, _n, completed = use.get(key, (0, 0, 0))
-                granted = budget_tick(b, now=now, consumed=consumed, util=share.get(key),
-                                      completed=completed or None)
+                was_learning = b.learning
+                granted = budget_tick(b, now=now, consumed=consumed,
+                                      completed=completed or None, device=share.get(key))
+                if was_learning and not b.learning:
+                    self.record("throttle", f"group {group!r} device {dev}: cap {cap}% of a "
+                                f"learned full rate of {b.full_rate:.4g} units/s (pace "
+                                f"{b.pace:.4g}/s{', contended' if b.contended else ''}"
+                                f"{', from completions' if b.by_completion else ''})",
+                                group=group, device=dev, full_rate=b.full_rate, pace=b.pace,
+                                work_per_unit=b.work_per_unit, contended=b.contended)
                 self.probes.set_sm_grant(g.index, dev, granted, True)
                 # Resume with some budget in hand, not a sliver: fewer, longer holds.
                 margin = (b.rate or 0) * RESUME_MARGIN_S

@@ -5,40 +5,51 @@ launch costs `graph_cost`) to `sm_use.consumed`; a launch that finds
 `consumed > granted` stops its process until the controller grants more.
 This module decides `granted` on every tick.
 
-How the rate is found (measured on the H200, docs/benchmarks.md). Where the
-workload synchronizes (cuStreamSynchronize, cuCtxSynchronize,
-cuEventSynchronize: PyTorch does at every .item(), .cpu() and
-torch.cuda.synchronize()), the probes report `completed`: cost known done on
-the GPU. Its rate is the GPU's real pace, so it is used for learning and as
-the feedback signal. Without synchronizations the host-side fallback below is
-used:
-1. Learn. A new (group, device) runs unthrottled for `learn_s`. The host can
-   queue a second or more of GPU work before the driver pushes back, so the
-   first moments say nothing about GPU throughput; only the second part of the
-   window, when the queue is full and launches proceed at the GPU's pace, gives
-   the full rate F (and, with NVML, the group's busy share U_full).
-2. Open loop. The allowed rate is R0 = cap% x F. For one workload in a group
-   the units cancel out: throughput relative to uncapped is R / F, whatever a
-   block or a graph really costs on the GPU.
-3. Feedback, bounded. With NVML, the group's share of device utilization,
-   normalized by U_full, trims R around R0 (x0.5 .. x1.5). The bound matters:
-   utilization stays high while the GPU drains work queued earlier, and an
-   unbounded integrator throttles a graph-replay workload to nothing (seen).
-The bank holds at most `burst_s` of rate, so an idle group cannot save up a
-long uncapped burst.
+The model (measured on the H200 and reproduced by the stand-in libcuda's
+simulated GPU, bench/sim_sm.py; docs/benchmarks.md):
+
+1. Learn the full rate F. A new (group, device) runs unthrottled. The host
+   can queue a second or more of GPU work before the driver pushes back, so
+   the host's early launch rate says nothing about the GPU. Where the
+   workload synchronizes (cuStreamSynchronize, cuCtxSynchronize,
+   cuEventSynchronize: PyTorch does at every .item(), .cpu() and
+   torch.cuda.synchronize()), the probes report `completed`: cost known done
+   on the GPU, whose rate is the GPU's real pace. Without synchronizations,
+   the launch rate after the queue has filled is the pace.
+2. Correct F for contention. If the device was saturated while learning
+   (device utilization >= SATURATED), other groups were taking part of it:
+   the group's own part of the busy time, Ug (utilization attributed to it:
+   daemon._throttle_tick), scales the pace to what the whole device would
+   give it: F = pace x Ud / Ug. Alone, Ug = Ud and F = pace. The group's
+   device time per cost unit, w = Ug / pace, is kept so that other groups
+   learning later can subtract this one's part (rate x w) from the device.
+3. Open loop. The allowed rate is R = cap% x F; a token bank refilled at R,
+   holding at most `burst_s` of it, so an idle group cannot save up a long
+   uncapped burst. Throughput relative to uncapped is R / F = cap, whatever a
+   block or a graph really costs: the units cancel out.
+
+No feedback loop trims R afterwards. Two were tried on the H200 and in the
+simulator: one on completions, one on NVML utilization. Both react to a
+signal that lags the launches by the whole launch queue (up to ~1 s), and
+both made it worse: the first wound down under the cap and crawled back,
+the second starved graph replays (utilization stays 100% while a queue
+drains).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 
-LEARN_S = 1.0
+LEARN_S = 1.0         # at least this long unthrottled
 LEARN_FROM = 0.4      # fraction of the learning window ignored (queue filling)
+LEARN_MAX_S = 3.0     # give up waiting for completions; use the host-side rate
 BURST_S = 0.05
-GAIN = 1.0            # per second, on log R, per unit of relative error
-TRIM_MIN, TRIM_MAX = 0.5, 1.5
-TRIM_MIN_DONE, TRIM_MAX_DONE = 0.3, 3.0   # the completion signal is direct: a wider trim
 MIN_RATE = 1.0        # cost units per second
+SATURATED = 90.0      # device utilization (percent) at which groups contend
+MIN_PART = 0.05       # a group's part of a saturated device is at least this
+
+DONE_WINDOW_S = 1.0   # completion rate is measured over about this long
+DONE_MIN_SPAN_S = 0.4
 
 
 @dataclass
@@ -46,27 +57,27 @@ class Budget:
     cap: float                      # percent, 0 < cap < 100
     granted: int = 0
     rate: float | None = None       # allowed cost units per second (None while learning)
-    full_rate: float = 0.0          # learned unthrottled rate F
-    full_util: float | None = None  # learned unthrottled utilization share U_full
-    trim: float = 1.0
+    full_rate: float = 0.0          # learned rate with the whole device, F
+    pace: float = 0.0               # learned unthrottled rate as seen (before contention)
+    work_per_unit: float | None = None  # device seconds per cost unit, w (with utilization)
+    contended: bool = False         # the device was saturated while learning
     started: float | None = None
     mark: tuple[float, int] | None = None   # (time, consumed) where learning starts to count
     last_t: float | None = None
     last_consumed: int = 0
-    credit: float | None = None      # granted, unrounded
-    last_share: float | None = None  # measured share, percent of uncapped
-    utils: list = field(default_factory=list)
-    done: list = field(default_factory=list)   # (time, completed) when completed advanced
-    by_completion: bool = False       # F came from completions (the GPU's pace)
+    credit: float | None = None     # granted, unrounded
+    last_share: float | None = None  # achieved, percent of F (smoothed)
+    utils: list = field(default_factory=list)   # per tick while learning: see _learned
+    done: list = field(default_factory=list)    # (time, completed) when completed advanced
+    by_completion: bool = False     # the pace came from completions (the GPU's)
 
     @property
     def learning(self) -> bool:
         return self.rate is None
 
-
-DONE_WINDOW_S = 1.0    # completion rate is measured over about this long
-DONE_MIN_SPAN_S = 0.4
-LEARN_MAX_S = 3.0      # give up waiting for completions; use the host-side rate
+    def device_part(self, rate: float) -> float | None:
+        """Fraction of the device this group takes at `rate` units/s, if known."""
+        return None if self.work_per_unit is None else rate * self.work_per_unit
 
 
 def completion_rate(b: Budget, now: float) -> float | None:
@@ -76,12 +87,38 @@ def completion_rate(b: Budget, now: float) -> float | None:
     return (pts[-1][1] - pts[0][1]) / (pts[-1][0] - pts[0][0])
 
 
-def tick(b: Budget, *, now: float, consumed: int, util: float | None = None,
-         completed: int | None = None, learn_s: float = LEARN_S, burst_s: float = BURST_S,
-         gain: float = GAIN) -> int:
+def _learned(b: Budget, now: float, pace: float, since: float, consumed: int) -> int:
+    """End learning with the unthrottled `pace` measured since `since`."""
+    samples = [x for x in b.utils if x[0] >= since and x[1] is not None]
+    b.pace = pace
+    b.full_rate = pace
+    if samples and pace > 0:
+        # Over the window, not per tick: launches run ahead of the GPU by the
+        # launch queue, so a tick's launches say little about that tick's busy time.
+        n = len(samples)
+        ud = sum(x[1] for x in samples) / n
+        known = sum(x[2] for x in samples) / n
+        mine = sum(x[3] for x in samples)
+        theirs = sum(x[4] for x in samples)
+        left = max(0.0, ud - known)
+        ug = left * mine / (mine + theirs) if mine + theirs > 0 else left
+        part = max(ug, MIN_PART * 100.0)
+        b.work_per_unit = part / 100.0 / pace
+        if ud >= SATURATED and part < ud:
+            b.contended = True
+            b.full_rate = pace * ud / part
+    b.rate = max(MIN_RATE, b.cap / 100.0 * b.full_rate)
+    b.granted, b.credit = consumed, float(consumed)   # the bank starts empty
+    b.utils = []
+    return b.granted
+
+
+def tick(b: Budget, *, now: float, consumed: int, completed: int | None = None,
+         device: "DeviceView | None" = None, learn_s: float = LEARN_S,
+         burst_s: float = BURST_S) -> int:
     """Advance one budget to `now` given the probes' cumulative `consumed`
-    and `completed` and, where known, the group's part of its device's
-    utilization (percent); return the new `granted`."""
+    and `completed`, and where known what the device did over the last tick
+    (`device`, from neighbours()); return the new `granted`."""
     if completed is not None and (not b.done or completed > b.done[-1][1]):
         b.done.append((now, completed))
         b.done = [(t, c) for t, c in b.done if now - t <= DONE_WINDOW_S + 0.5]
@@ -98,61 +135,58 @@ def tick(b: Budget, *, now: float, consumed: int, util: float | None = None,
 
     if b.rate is None:
         age = now - b.started
+        if device is not None:
+            b.utils.append((now, device.util, device.known_others, rate_seen,
+                            device.unknown_others_rate))
         if age < learn_s * LEARN_FROM:
             return b.granted
         pace = completion_rate(b, now)
         if pace and b.done[0][0] - b.started >= learn_s * LEARN_FROM * 0.5:
-            b.full_rate, b.by_completion = pace, True
-            b.full_util = (sum(b.utils) / len(b.utils)) if b.utils else None
-            b.rate = max(MIN_RATE, b.cap / 100.0 * b.full_rate)
-            b.granted, b.credit = consumed, float(consumed)
-            return b.granted
+            b.by_completion = True
+            return _learned(b, now, pace, b.done[0][0], consumed)
         if b.done and age < LEARN_MAX_S:
-            if util is not None:
-                b.utils.append(util)
             return b.granted       # it synchronizes: wait for its GPU pace
         if b.mark is None:
             b.mark = (now, consumed)
             return b.granted
-        if util is not None:
-            b.utils.append(util)
         if age < learn_s or consumed == b.mark[1]:
             return b.granted       # not long enough, or idle: nothing to cap yet
-        b.full_rate = (consumed - b.mark[1]) / (now - b.mark[0])
-        b.full_util = (sum(b.utils) / len(b.utils)) if b.utils else None
-        b.rate = max(MIN_RATE, b.cap / 100.0 * b.full_rate)
-        b.granted, b.credit = consumed, float(consumed)   # the bank starts empty
-        return b.granted
+        return _learned(b, now, (consumed - b.mark[1]) / (now - b.mark[0]), b.mark[0], consumed)
 
-    base = max(MIN_RATE, b.cap / 100.0 * b.full_rate)
+    b.rate = max(MIN_RATE, b.cap / 100.0 * b.full_rate)
     pace = completion_rate(b, now) if b.by_completion else None
-    if pace is not None:
-        share = 100.0 * pace / b.full_rate
-        b.last_share = share
-        err = max(-0.5, min(0.5, (b.cap - share) / b.cap))
-        b.trim = max(TRIM_MIN_DONE, min(TRIM_MAX_DONE, b.trim * math.exp(gain * err * dt)))
-    elif util is not None and b.full_util:
-        share = 100.0 * util / b.full_util
-        b.last_share = share
-        err = max(-0.5, min(0.5, (b.cap - share) / b.cap))
-        b.trim = max(TRIM_MIN, min(TRIM_MAX, b.trim * math.exp(gain * err * dt)))
-    elif b.full_rate:
-        b.last_share = 100.0 * rate_seen / b.full_rate
-    b.rate = base * b.trim
+    seen = 100.0 * (pace if pace is not None else rate_seen) / b.full_rate
+    b.last_share = seen if b.last_share is None else 0.8 * b.last_share + 0.2 * seen
     # Credit is kept as a float: at a few units per second, rounding each
     # tick's grant down to an integer would grant nothing, ever.
-    bank_cap = consumed + b.rate * burst_s
-    b.credit = max(b.credit if b.credit is not None else float(b.granted),
-                   min((b.credit if b.credit is not None else float(b.granted)) + b.rate * dt,
-                       bank_cap))
+    credit = b.credit if b.credit is not None else float(b.granted)
+    b.credit = max(credit, min(credit + b.rate * dt, consumed + b.rate * burst_s))
     b.granted = max(b.granted, int(math.ceil(b.credit)))
     return b.granted
 
 
-def shares(device_util: float | None, rates: dict) -> dict:
-    """Attribute a device's utilization (percent) to groups by the launch cost
-    each put on it over the last tick: {key: rate} -> {key: utilization}."""
-    total = sum(rates.values())
-    if device_util is None or total <= 0:
-        return {k: None for k in rates}
-    return {k: device_util * r / total for k, r in rates.items()}
+@dataclass(frozen=True)
+class DeviceView:
+    """One device over one tick, as one group sees it."""
+    util: float | None          # device utilization, percent
+    known_others: float         # percent taken by other groups whose w is known
+    unknown_others_rate: float  # cost units/s launched by the other groups
+
+
+def neighbours(device_util: float | None, rates: dict, known: dict) -> dict:
+    """{key: cost rate over the last tick} of the groups on one device ->
+    {key: DeviceView}. A group whose device time per unit is known (`known`:
+    {key: Budget}) takes rate x w of the device; the others' launch rates are
+    passed on, for a learning group to split what is left by cost."""
+    parts = {}
+    for k, r in rates.items():
+        p = known[k].device_part(r) if k in known else None
+        if p is not None:
+            parts[k] = 100.0 * p
+    out = {}
+    for k in rates:
+        out[k] = DeviceView(
+            device_util,
+            sum(p for j, p in parts.items() if j != k),
+            sum(r for j, r in rates.items() if j != k and j not in parts))
+    return out

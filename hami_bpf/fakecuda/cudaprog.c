@@ -97,6 +97,7 @@ CUresult cuLaunchKernelEx(const CUlaunchConfig *, CUfunction, void **, void **);
 CUresult cuLaunchCooperativeKernel(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned,
                                    unsigned, unsigned, CUstream, void **);
 CUresult cuGraphLaunch(CUgraphExec, CUstream);
+CUresult cuCtxSynchronize(void);
 CUresult cuGetProcAddress_v2(const char *, void **, int, unsigned long long, int *);
 
 enum { A_FREE = 0, A_PTR, A_ASYNC, A_HANDLE, A_VMM };
@@ -204,6 +205,54 @@ static void reply(const char *fmt, ...)
 }
 
 #define MAXARGS 16
+
+static double now_s(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + t.tv_nsec / 1e9;
+}
+
+/* bench KIND GRID SECONDS SETTLE_MS: launch (KIND launch|graph, GRID blocks)
+ * in windows of 250 ms, synchronizing at each window's end, as
+ * bench/gpu/sm_workload.py does on the GPU; reply with the mean launch rate
+ * over the windows that start after SETTLE_MS, the slowest such window, and
+ * every window's rate. */
+static void do_bench(const char *kind, long long grid, long long seconds, long long settle_ms)
+{
+    CUfunction f = (CUfunction)g_dummy_kernel;
+    int graph = !strcmp(kind, "graph");
+    double t_start = now_s(), sum = 0, mn = -1;
+    int counted = 0, nw = 0;
+    char buf[4096];
+    size_t off = 0;
+    buf[0] = 0;
+    CUresult rc = 0;
+    while (!rc && now_s() - t_start < seconds) {
+        double t0 = now_s(), t1;
+        long long n = 0;
+        while (!rc && (t1 = now_s()) - t0 < 0.25) {
+            rc = graph ? cuGraphLaunch((CUgraphExec)g_dummy_kernel, NULL)
+                       : cuLaunchKernel(f, (unsigned)grid, 1, 1, 32, 1, 1, 0, NULL, NULL, NULL);
+            n++;
+        }
+        if (!rc)
+            rc = cuCtxSynchronize();
+        t1 = now_s();
+        double r = n / (t1 - t0);
+        if (off < sizeof(buf) - 32)
+            off += snprintf(buf + off, sizeof(buf) - off, "%s%.0f", nw ? "," : "", r);
+        nw++;
+        if ((t0 - t_start) * 1000 >= settle_ms) {
+            sum += r;
+            counted++;
+            if (mn < 0 || r < mn)
+                mn = r;
+        }
+    }
+    reply("ok rc=%d steady=%.1f min=%.1f windows=%s", rc, counted ? sum / counted : 0.0,
+          mn < 0 ? 0.0 : mn, buf);
+}
 
 static void run_command(char *line);
 
@@ -472,6 +521,15 @@ static void run_command(char *line)
         NEED(1, "launch N");
         INT_ARG(1, n, "launch N");
         do_launches(c, n);
+    } else if (!strcmp(c, "bench")) {
+        NEED(4, "bench launch|graph GRID SECONDS SETTLE_MS");
+        long long grid = 0, secs = 0, settle = 0;
+        INT_ARG(2, grid, "bench launch|graph GRID SECONDS SETTLE_MS");
+        INT_ARG(3, secs, "bench launch|graph GRID SECONDS SETTLE_MS");
+        INT_ARG(4, settle, "bench launch|graph GRID SECONDS SETTLE_MS");
+        do_bench(argv[1], grid, secs, settle);
+    } else if (!strcmp(c, "sync")) {
+        reply("ok rc=%d", cuCtxSynchronize());
     } else if (!strcmp(c, "getproc")) {
         if (argc != 2 && argc != 3) {
             reply("err usage: getproc NAME [FLAGS]");

@@ -21,7 +21,12 @@
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <unistd.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -138,6 +143,34 @@ static unsigned long long g_next_off[MAX_DEVICES];
 static unsigned long long g_next_va;
 static unsigned long long g_next_handle = 0x1000;
 static unsigned long long g_launches;
+
+/*
+ * The simulated GPU (FAKECUDA_GPU_SIM=/dev/shm/NAME): one timeline per device,
+ * shared by every process that maps the same file, so processes compete for
+ * it as they do for a real GPU.  A launch appends FAKECUDA_NS_PER_BLOCK x
+ * blocks (a graph: FAKECUDA_GRAPH_NS) of device time after the process's own
+ * queued work, stretched by the number of processes with work queued (the
+ * GPU time-slices between contexts: processor sharing, roughly);
+ * a launch that finds more than FAKECUDA_QUEUE_NS of the process's work queued
+ * blocks until it drains to that depth (the driver's push-back); synchronize
+ * calls sleep until the process's last launch is done.  Without the variable
+ * launches take no device time and synchronize returns at once.
+ */
+#define SIM_PROCS 64
+struct gpu_sim {
+    /* Device-wide busy time, for utilization: the union of every process's
+     * queued work. busy_ns counts it up to busy_until (CLOCK_MONOTONIC ns). */
+    unsigned long long busy_until[MAX_DEVICES];
+    unsigned long long busy_ns[MAX_DEVICES];
+    struct {
+        int pid;
+        int pad;
+        unsigned long long until[MAX_DEVICES];   /* this process's queue ends at */
+    } procs[SIM_PROCS];
+};
+static struct gpu_sim *g_sim;
+static unsigned long long g_ns_per_block, g_graph_ns, g_queue_ns;
+static unsigned long long g_last_end[MAX_DEVICES]; /* this process's last launch done at */
 static struct CUctx_st g_primary[MAX_DEVICES];
 static struct alloc *g_table[NBUCKETS];
 
@@ -167,6 +200,24 @@ static void load_config(void)
     g_ndev = n > MAX_DEVICES ? MAX_DEVICES : (int)n;
     g_total = env_ull("FAKECUDA_TOTAL_MEM", 16ULL << 30);
     g_launch_ns = env_ull("FAKECUDA_LAUNCH_NS", 0);
+    g_ns_per_block = env_ull("FAKECUDA_NS_PER_BLOCK", 1000);
+    g_graph_ns = env_ull("FAKECUDA_GRAPH_NS", 50000);
+    g_queue_ns = env_ull("FAKECUDA_QUEUE_NS", 500000000ULL);
+    const char *sim = getenv("FAKECUDA_GPU_SIM");
+    if (sim && *sim) {
+        int fd = open(sim, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+        if (fd >= 0) {
+            if (ftruncate(fd, sizeof(struct gpu_sim)) == 0) {
+                void *m = mmap(NULL, sizeof(struct gpu_sim), PROT_READ | PROT_WRITE, MAP_SHARED,
+                               fd, 0);
+                if (m != MAP_FAILED)
+                    g_sim = m;
+            }
+            close(fd);
+        }
+        if (!g_sim)
+            fprintf(stderr, "fakecuda: cannot map the simulated GPU %s\n", sim);
+    }
     for (int i = 0; i < MAX_DEVICES; i++) {
         g_primary[i].magic = CTX_MAGIC;
         g_primary[i].dev = i;
@@ -314,13 +365,105 @@ static void count_launch(void)
     }
 }
 
-static CUresult launch_check(void)
+static unsigned long long mono_ns(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (unsigned long long)t.tv_sec * 1000000000ULL + (unsigned long long)t.tv_nsec;
+}
+
+static void sleep_until_ns(unsigned long long when)
+{
+    struct timespec ts = {(time_t)(when / 1000000000ULL), (long)(when % 1000000000ULL)};
+    while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR)
+        ;
+}
+
+static int g_sim_slot = -1;
+
+static int sim_slot(void)
+{
+    if (g_sim_slot >= 0)
+        return g_sim_slot;
+    int me = getpid();
+    for (int pass = 0; pass < 2; pass++)
+        for (int i = 0; i < SIM_PROCS; i++) {
+            int cur = __atomic_load_n(&g_sim->procs[i].pid, __ATOMIC_ACQUIRE);
+            /* pass 0: a free slot; pass 1: one whose process is gone */
+            if (cur == me || (pass == 0 && cur == 0) || (pass == 1 && kill(cur, 0) && errno == ESRCH)) {
+                if (cur == me || __atomic_compare_exchange_n(&g_sim->procs[i].pid, &cur, me, 0,
+                                                             __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+                    memset(g_sim->procs[i].until, 0, sizeof(g_sim->procs[i].until));
+                    return g_sim_slot = i;
+                }
+            }
+        }
+    return -1;
+}
+
+/* Queue `ns` of device time on `dev` after the process's queued work. */
+static void sim_launch(int dev, unsigned long long ns)
+{
+    if (!g_sim || dev < 0 || dev >= MAX_DEVICES)
+        return;
+    int slot = sim_slot();
+    if (slot < 0)
+        return;
+    unsigned long long now = mono_ns();
+    int others = 0;
+    for (int i = 0; i < SIM_PROCS; i++)
+        if (i != slot && __atomic_load_n(&g_sim->procs[i].until[dev], __ATOMIC_RELAXED) > now)
+            others++;
+    unsigned long long mine = g_sim->procs[slot].until[dev];
+    unsigned long long start = mine > now ? mine : now, end = start + ns * (1 + others);
+    __atomic_store_n(&g_sim->procs[slot].until[dev], end, __ATOMIC_RELEASE);
+    __atomic_store_n(&g_last_end[dev], end, __ATOMIC_RELAXED);
+    /* the device-wide union, for utilization */
+    unsigned long long old = __atomic_load_n(&g_sim->busy_until[dev], __ATOMIC_ACQUIRE);
+    while (end > old) {
+        unsigned long long from = start > old ? start : old;
+        if (__atomic_compare_exchange_n(&g_sim->busy_until[dev], &old, end, 0, __ATOMIC_ACQ_REL,
+                                        __ATOMIC_ACQUIRE)) {
+            __atomic_add_fetch(&g_sim->busy_ns[dev], end - from, __ATOMIC_RELAXED);
+            break;
+        }
+    }
+    if (end > now + g_queue_ns)
+        sleep_until_ns(end - g_queue_ns);
+}
+
+static void sim_sync(int dev)
+{
+    if (g_sim && dev >= 0 && dev < MAX_DEVICES)
+        sleep_until_ns(__atomic_load_n(&g_last_end[dev], __ATOMIC_RELAXED));
+}
+
+static CUresult launch_check(unsigned long long ns)
 {
     if (!g_initialized)
         return CUDA_ERROR_NOT_INITIALIZED;
-    if (!ctx_valid(current_ctx()))
+    struct CUctx_st *c = current_ctx();
+    if (!ctx_valid(c))
         return CUDA_ERROR_INVALID_CONTEXT;
     count_launch();
+    sim_launch(c->dev, ns);
+    return CUDA_SUCCESS;
+}
+
+static unsigned long long grid_ns(unsigned long long gx, unsigned long long gy,
+                                  unsigned long long gz)
+{
+    return gx * gy * gz * g_ns_per_block;
+}
+
+static CUresult sync_check(void)
+{
+    if (!g_initialized)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    struct CUctx_st *c = current_ctx();
+    if (!ctx_valid(c))
+        return CUDA_ERROR_INVALID_CONTEXT;
+    sim_sync(c->dev);
     return CUDA_SUCCESS;
 }
 
@@ -816,7 +959,7 @@ EXPORT CUresult cuLaunchKernel(CUfunction f, unsigned int gridDimX, unsigned int
     (void)f; (void)gridDimX; (void)gridDimY; (void)gridDimZ; (void)blockDimX;
     (void)blockDimY; (void)blockDimZ; (void)sharedMemBytes; (void)hStream;
     (void)kernelParams; (void)extra;
-    return launch_check();
+    return launch_check(grid_ns(gridDimX, gridDimY, gridDimZ));
 }
 
 EXPORT CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
@@ -829,7 +972,7 @@ EXPORT CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned int gridDimX, unsigne
     (void)f; (void)gridDimX; (void)gridDimY; (void)gridDimZ; (void)blockDimX;
     (void)blockDimY; (void)blockDimZ; (void)sharedMemBytes; (void)hStream;
     (void)kernelParams; (void)extra;
-    return launch_check();
+    return launch_check(grid_ns(gridDimX, gridDimY, gridDimZ));
 }
 
 EXPORT CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **kernelParams,
@@ -839,7 +982,7 @@ EXPORT CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, voi
     (void)f; (void)kernelParams; (void)extra;
     if (!config)
         return g_initialized ? CUDA_ERROR_INVALID_VALUE : CUDA_ERROR_NOT_INITIALIZED;
-    return launch_check();
+    return launch_check(grid_ns(config->gridDimX, config->gridDimY, config->gridDimZ));
 }
 
 EXPORT CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *config, CUfunction f,
@@ -849,7 +992,7 @@ EXPORT CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *config, CUfunction f
     (void)f; (void)kernelParams; (void)extra;
     if (!config)
         return g_initialized ? CUDA_ERROR_INVALID_VALUE : CUDA_ERROR_NOT_INITIALIZED;
-    return launch_check();
+    return launch_check(grid_ns(config->gridDimX, config->gridDimY, config->gridDimZ));
 }
 
 EXPORT CUresult cuLaunchCooperativeKernel(CUfunction f, unsigned int gridDimX,
@@ -862,7 +1005,7 @@ EXPORT CUresult cuLaunchCooperativeKernel(CUfunction f, unsigned int gridDimX,
     (void)f; (void)gridDimX; (void)gridDimY; (void)gridDimZ; (void)blockDimX;
     (void)blockDimY; (void)blockDimZ; (void)sharedMemBytes; (void)hStream;
     (void)kernelParams;
-    return launch_check();
+    return launch_check(grid_ns(gridDimX, gridDimY, gridDimZ));
 }
 
 EXPORT CUresult cuLaunchCooperativeKernel_ptsz(CUfunction f, unsigned int gridDimX,
@@ -876,7 +1019,7 @@ EXPORT CUresult cuLaunchCooperativeKernel_ptsz(CUfunction f, unsigned int gridDi
     (void)f; (void)gridDimX; (void)gridDimY; (void)gridDimZ; (void)blockDimX;
     (void)blockDimY; (void)blockDimZ; (void)sharedMemBytes; (void)hStream;
     (void)kernelParams;
-    return launch_check();
+    return launch_check(grid_ns(gridDimX, gridDimY, gridDimZ));
 }
 
 EXPORT CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream)
@@ -885,7 +1028,7 @@ EXPORT CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream)
     (void)hStream;
     if (!hGraphExec)
         return g_initialized ? CUDA_ERROR_INVALID_VALUE : CUDA_ERROR_NOT_INITIALIZED;
-    return launch_check();
+    return launch_check(g_graph_ns);
 }
 
 EXPORT CUresult cuGraphLaunch_ptsz(CUgraphExec hGraphExec, CUstream hStream)
@@ -894,7 +1037,36 @@ EXPORT CUresult cuGraphLaunch_ptsz(CUgraphExec hGraphExec, CUstream hStream)
     (void)hStream;
     if (!hGraphExec)
         return g_initialized ? CUDA_ERROR_INVALID_VALUE : CUDA_ERROR_NOT_INITIALIZED;
-    return launch_check();
+    return launch_check(g_graph_ns);
+}
+
+/* ---- synchronize ---------------------------------------------------------- */
+EXPORT CUresult cuCtxSynchronize(void)
+{
+    ENTRY();
+    return sync_check();
+}
+
+EXPORT CUresult cuStreamSynchronize(CUstream hStream)
+{
+    ENTRY();
+    (void)hStream;
+    return sync_check();
+}
+
+EXPORT CUresult cuStreamSynchronize_ptsz(CUstream hStream)
+{
+    ENTRY();
+    (void)hStream;
+    return sync_check();
+}
+
+EXPORT CUresult cuEventSynchronize(void *hEvent)
+{
+    ENTRY();
+    if (!hEvent)
+        return CUDA_ERROR_INVALID_VALUE;
+    return sync_check();
 }
 
 /* ---- entry points by name and error strings -------------------------------- */

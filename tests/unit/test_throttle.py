@@ -2,18 +2,18 @@
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from hami_bpf.throttle import LEARN_S, TRIM_MAX, TRIM_MIN, Budget, shares, tick
+from hami_bpf.throttle import LEARN_S, Budget, DeviceView, neighbours, tick
 
 
-def run(b, rate_fn, seconds, dt=0.05, util_fn=None, start=0.0, consumed=0):
-    """Simulate a workload that launches at rate_fn(allowed) cost units/s."""
+def run(b, rate_fn, seconds, dt=0.05, device_fn=None, start=0.0, consumed=0):
+    """Simulate a workload that launches at rate_fn() cost units/s within its budget."""
     t = start
     granted = tick(b, now=t, consumed=consumed)
     while t < start + seconds:
         t += dt
         want = rate_fn() * dt
         consumed += int(min(want, max(0, granted - consumed)) if not b.learning else want)
-        granted = tick(b, now=t, consumed=consumed, util=util_fn(b) if util_fn else None)
+        granted = tick(b, now=t, consumed=consumed, device=device_fn(b) if device_fn else None)
     return consumed, granted
 
 
@@ -36,24 +36,52 @@ def test_open_loop_throughput_is_cap_times_full_rate():
     assert abs(achieved / 200_000 - 0.5) < 0.03
 
 
-def test_feedback_is_bounded_when_utilization_stays_high():
-    # A drained queue keeps the GPU 100% busy for a while: the trim must not
-    # run away (an unbounded integrator starved graph replays on the H200).
+def test_alone_on_a_saturated_device_the_pace_is_the_full_rate():
     b = Budget(cap=25)
-    run(b, lambda: 50_000, LEARN_S + 0.1, util_fn=lambda b: 100.0)
-    run(b, lambda: 50_000, 10.0, start=b.last_t, consumed=b.last_consumed,
-        util_fn=lambda b: 100.0)
-    assert b.trim >= TRIM_MIN
-    assert b.rate >= TRIM_MIN * 0.25 * b.full_rate * 0.99
+    run(b, lambda: 50_000, LEARN_S + 0.1,
+        device_fn=lambda b: DeviceView(100.0, 0.0, 0.0))
+    assert not b.contended
+    assert abs(b.full_rate - 50_000) / 50_000 < 0.05
+    assert abs(b.work_per_unit - 1 / 50_000) * 50_000 < 0.05
+
+
+def test_sharing_a_saturated_device_scales_the_pace_to_the_whole_device():
+    # Two groups launching the same kernels at the same rate on a saturated
+    # device each got half of it: alone, each would run twice as fast.
+    b = Budget(cap=30)
+    run(b, lambda: 40_000, LEARN_S + 0.1,
+        device_fn=lambda b: DeviceView(100.0, 0.0, 40_000.0))
+    assert b.contended
+    assert abs(b.full_rate - 80_000) / 80_000 < 0.06
+    assert abs(b.rate - 24_000) / 24_000 < 0.06
+
+
+def test_a_known_neighbours_part_is_subtracted():
+    # A neighbour known to take 30% of the device: this group had 70% of it.
+    b = Budget(cap=70)
+    run(b, lambda: 70_000, LEARN_S + 0.1,
+        device_fn=lambda b: DeviceView(100.0, 30.0, 0.0))
+    assert abs(b.full_rate - 100_000) / 100_000 < 0.06
+
+
+def test_an_unsaturated_device_means_no_contention():
+    b = Budget(cap=50)
+    run(b, lambda: 10_000, LEARN_S + 0.1,
+        device_fn=lambda b: DeviceView(40.0, 0.0, 10_000.0))
+    assert not b.contended
+    assert abs(b.full_rate - 10_000) / 10_000 < 0.05
 
 
 @settings(max_examples=200, deadline=None)
-@given(cap=st.integers(1, 99), util=st.floats(0, 100))
-def test_trim_stays_in_bounds(cap, util):
+@given(cap=st.integers(1, 99), util=st.floats(0, 100), known=st.floats(0, 100),
+       others=st.floats(0, 1e7))
+def test_the_learned_rate_is_never_below_the_pace_nor_unbounded(cap, util, known, others):
     b = Budget(cap=cap)
-    run(b, lambda: 10_000, LEARN_S + 0.1, util_fn=lambda b: 60.0)
-    run(b, lambda: 10_000, 3.0, start=b.last_t, consumed=b.last_consumed, util_fn=lambda b: util)
-    assert TRIM_MIN <= b.trim <= TRIM_MAX
+    run(b, lambda: 10_000, LEARN_S + 0.1,
+        device_fn=lambda b: DeviceView(util, known, others))
+    assert not b.learning
+    assert 10_000 * 0.9 <= b.full_rate <= 10_000 * 1.1 * 100 / (100 * 0.05)
+    assert b.rate >= 1.0
 
 
 def test_idle_group_cannot_bank_a_long_burst():
@@ -64,9 +92,14 @@ def test_idle_group_cannot_bank_a_long_burst():
     assert granted - c <= b.rate * 0.05 + 1
 
 
-def test_shares_split_utilization_by_launch_cost():
-    assert shares(80.0, {"a": 3.0, "b": 1.0}) == {"a": 60.0, "b": 20.0}
-    assert shares(None, {"a": 1.0}) == {"a": None}
+def test_neighbours_split_known_parts_and_pass_on_unknown_rates():
+    known = Budget(cap=30)
+    known.work_per_unit = 1e-5          # 10 us per unit
+    known.rate = 1.0
+    v = neighbours(90.0, {"a": 30_000.0, "b": 5.0, "c": 7.0}, {"a": known})
+    assert v["b"] == DeviceView(90.0, pytest.approx(30.0), 7.0)
+    assert v["a"] == DeviceView(90.0, 0.0, 12.0)
+    assert neighbours(None, {"a": 1.0}, {})["a"].util is None
 
 
 def simulate_queued_gpu(cap, seconds=8.0, gpu_rate=1000.0, queue_s=1.1, sync_every=0.25, dt=0.01):
