@@ -91,14 +91,19 @@ class UnixGroupType(click.ParamType):
               help="Enforce SM caps (CUDA_DEVICE_SM_LIMIT, policy `sm`) by throttling launches. "
                    "Off by default until its accuracy is proven on every workload kind "
                    "(docs/benchmarks.md); caps are then shown but not enforced.")
+@click.option("--sm-lend-idle", is_flag=True,
+              help="Let a capped group use compute its device's other groups leave idle: it is "
+                   "held to its cap only while a group of higher or equal priority "
+                   "(CUDA_TASK_PRIORITY, policy `priority`; 0 is highest) is busy on the device. "
+                   "GPU_CORE_UTILIZATION_POLICY=force keeps a group at its cap regardless.")
 @click.option("--hami-regions", "hami_regions", default=None, metavar="DIR",
               type=click.Path(file_okay=False),
               help="Publish one HAMi shared-region file per group under DIR, for HAMi's node "
                    "monitor (HAMi's is /usr/local/vgpu/containers) [default: off].")
 @click.option("-v", "--verbose", is_flag=True, help="Log debug details.")
 def run(libcuda, group_by, socket_path, count_launches, policy, env_limits, oom_action,
-        metrics_addr, socket_group, demo, state_dir, context_bytes, sm_limits, hami_regions,
-        verbose):
+        metrics_addr, socket_group, demo, state_dir, context_bytes, sm_limits, sm_lend_idle,
+        hami_regions, verbose):
     """Start the daemon: attach probes, keep the slot table, serve the socket."""
     if os.geteuid() != 0:
         raise CliError("run needs root (CAP_BPF, CAP_PERFMON)")
@@ -107,7 +112,7 @@ def run(libcuda, group_by, socket_path, count_launches, policy, env_limits, oom_
                        oom_action=oom_action, metrics_addr=metrics_addr,
                        socket_group=socket_group, demo=demo, state_dir=state_dir,
                        verbose=verbose, context_bytes=context_bytes, sm_limits=sm_limits,
-                       hami_regions=hami_regions)
+                       sm_lend_idle=sm_lend_idle, hami_regions=hami_regions)
     # Imported here: the daemon pulls in bcc, which the other commands must not need.
     from hami_bpf import daemon
     try:

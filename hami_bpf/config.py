@@ -61,6 +61,7 @@ class DaemonConfig:
     context_bytes: int | None = None     # device memory a process's context holds; None = auto
     sm_limits: bool = False              # enforce SM caps (throttle launches); off: caps are shown only
     hami_regions: str | None = None      # publish HAMi shared-region files under this dir; None = off
+    sm_lend_idle: bool = False           # a capped group may use what higher/equal priority leave idle
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "libcuda", tuple(self.libcuda))

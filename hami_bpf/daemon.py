@@ -24,11 +24,12 @@ from .actions import ClearSlot, Compacted, CreateGroup, DeleteGroup, ReleaseProc
 from .config import DaemonConfig
 from .events import (GroupLimitSet, LaunchesCounted, MemoryAllocated, MemoryFreed, ProcessExited,
                      ProcessRegistered, ProcKey)
-from .limits import (EnvLimits, PolicyError, effective_limits, load_policy, parse_env_limits,
-                     physical_to_visible, visible_to_physical)
+from .limits import (HAMI_DEFAULT_PRIORITY, EnvLimits, PolicyError, effective_limits,
+                     effective_sched, load_policy, parse_env_limits, physical_to_visible,
+                     visible_to_physical)
 from .metrics import observe_exit_latency
 from .slots import SlotTable
-from .throttle import Budget, neighbours, tick as budget_tick
+from .throttle import BUSY_S, Budget, held_to_cap, neighbours, tick as budget_tick
 from .snapshot import (SCHEMA_VERSION, DeviceInfo, DeviceUsage, EventRecord, GroupInfo, ProcessInfo,
                        SlotInfo, Snapshot)
 
@@ -286,6 +287,11 @@ class Daemon:
         # (group index, device), and the pids we hold stopped per throttled group.
         self.sm_caps: dict[str, dict[int, int]] = {}
         self.budgets: dict[tuple[int, int], Budget] = {}
+        # (priority, utilization policy) per group: the lowest priority and
+        # the strictest policy any member asked for (limits.effective_sched).
+        self.sched: dict[str, tuple[int, str]] = {}
+        self._last_busy: dict[tuple[int, int], float] = {}   # (group index, device) -> last launch seen
+        self.lending: set[tuple[int, int]] = set()           # (group index, device) above its cap now
         self.throttled: dict[str, set[int]] = {}
         self.throttle_since: dict[str, float] = {}
         self._prev_use: dict[tuple[int, int], tuple[float, int]] = {}
@@ -851,13 +857,23 @@ class Daemon:
     def _apply_limits(self, group: str, gidx: int, pid: int, cvd: str | None) -> None:
         """A member can lower its group's limit, never raise it above the policy."""
         info = self.info.get(pid)
+        prio, upol = effective_sched(self.policy, group,
+                                     info.env if info and self.cfg.env_limits else None)
+        old_sched = self.sched.get(group)
+        if old_sched is not None:
+            prio, upol = max(prio, old_sched[0]), ("force" if "force" in (upol, old_sched[1]) else upol)
+        if (prio, upol) != old_sched:
+            self.sched[group] = (prio, upol)
+            if old_sched is not None or prio != HAMI_DEFAULT_PRIORITY or upol != "default":
+                self.record("limit", f"group {group!r}: priority {prio}, utilization policy {upol}",
+                            group=group, priority=prio, utilization_policy=upol)
         current = self.table.limits(group)
         for dev in range(self.devices.count):
             vis = physical_to_visible(dev, cvd, self.devices.uuid_to_index) if cvd is not None else dev
             if vis is None and cvd is not None:
                 continue  # this process can't see the device
-            mem, sm = effective_limits(self.policy, group, info.env if info and self.cfg.env_limits else None,
-                                       dev, visible_index=vis)
+            env = info.env if info and self.cfg.env_limits else None
+            mem, sm = effective_limits(self.policy, group, env, dev, visible_index=vis)
             self._apply_sm_cap(group, dev, sm)
             old = current.get(dev)
             new = mem if old is None else (old if mem is None else min(old, mem))
@@ -910,7 +926,11 @@ class Daemon:
             prev = self._prev_use.get(key)
             if prev and now > prev[0]:
                 rates[key[1]][key] = max(0, consumed - prev[1]) / (now - prev[0])
+                if consumed > prev[1]:
+                    self._last_busy[key] = now
             self._prev_use[key] = (now, consumed)
+        prio_of = {g.index: self.sched.get(g.name, (HAMI_DEFAULT_PRIORITY, "default"))[0]
+                   for g in self.table.groups()} if self.cfg.sm_lend_idle else {}
         util = self.devices.utilization() if self.devices.has_utilization else {}
         share = {}
         known = {k: b for k, b in self.budgets.items() if not b.learning}
@@ -938,6 +958,20 @@ class Daemon:
                                 f"{', from completions' if b.by_completion else ''})",
                                 group=group, device=dev, full_rate=b.full_rate, pace=b.pace,
                                 work_per_unit=b.work_per_unit, contended=b.contended)
+                if self.cfg.sm_lend_idle:
+                    others = [(prio_of.get(k[0], HAMI_DEFAULT_PRIORITY),
+                               now - self._last_busy.get(k, -1e9) <= BUSY_S)
+                              for k in use if k[1] == dev and k[0] != g.index]
+                    held = held_to_cap(*self.sched.get(group, (HAMI_DEFAULT_PRIORITY, "default")),
+                                       True, others)
+                    if not held:
+                        granted = max(granted, consumed + (1 << 40))
+                    if held == (key in self.lending):
+                        (self.lending.discard if held else self.lending.add)(key)
+                        self.record("throttle", f"group {group!r} device {dev}: "
+                                    + ("held to its cap again" if held else
+                                       "may use what is idle (no busy group of higher or equal "
+                                       "priority)"), group=group, device=dev, lending=not held)
                 self.probes.set_sm_grant(g.index, dev, granted, True)
                 # Resume with some budget in hand, not a sliver: fewer, longer holds.
                 margin = (b.rate or 0) * RESUME_MARGIN_S
@@ -1064,6 +1098,10 @@ class Daemon:
             elif isinstance(a, DeleteGroup):
                 self.probes.delete_group(a.index)
                 self._sm_unenforced.discard(a.name)
+                self.sched.pop(a.name, None)
+                for key in [k for k in self._last_busy if k[0] == a.index]:
+                    del self._last_busy[key]
+                self.lending = {k for k in self.lending if k[0] != a.index}
                 self.last_throttled.pop(a.name, None)
                 for key in [k for k in self.sm_share if k[0] == a.index]:
                     del self.sm_share[key]

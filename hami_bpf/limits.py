@@ -536,3 +536,18 @@ def effective_limits(
     pol_mem = spec.memory_limit(device) if spec is not None else None
     pol_sm = spec.sm_limit() if spec is not None else None
     return _lower(pol_mem, env_mem), _lower(pol_sm, env_sm)
+
+
+def effective_sched(policy: Policy | None, group: str, env: EnvLimits | None) -> tuple[int, str]:
+    """(priority, utilization policy) for a process of `group`. Priorities are
+    HAMi's: a smaller number is a higher priority (0 high, 1 the default). A
+    process can lower its group's priority through CUDA_TASK_PRIORITY, never
+    raise it above the policy's; "force" from either side wins over
+    "default", so neither can loosen the other."""
+    spec = policy.limits_for(group) if policy is not None else None
+    prios = [p for p in ((spec.priority if spec else None), (env.priority if env else None))
+             if p is not None]
+    prio = max(prios) if prios else HAMI_DEFAULT_PRIORITY
+    pols = {(spec.utilization_policy if spec else None) or "default",
+            (env.utilization_policy if env else None) or "default"}
+    return prio, ("force" if "force" in pols else "default")

@@ -80,16 +80,23 @@ class Budget:
         return None if self.work_per_unit is None else rate * self.work_per_unit
 
 
-def completion_rate(b: Budget, now: float) -> float | None:
+def completion_span(b: Budget, now: float) -> tuple[float, float, float] | None:
+    """(rate, from, to): the completion rate over the recent completions."""
     pts = [(t, c) for t, c in b.done if now - t <= DONE_WINDOW_S + 0.5]
     if len(pts) < 2 or pts[-1][0] - pts[0][0] < DONE_MIN_SPAN_S:
         return None
-    return (pts[-1][1] - pts[0][1]) / (pts[-1][0] - pts[0][0])
+    return (pts[-1][1] - pts[0][1]) / (pts[-1][0] - pts[0][0]), pts[0][0], pts[-1][0]
 
 
-def _learned(b: Budget, now: float, pace: float, since: float, consumed: int) -> int:
-    """End learning with the unthrottled `pace` measured since `since`."""
-    samples = [x for x in b.utils if x[0] >= since and x[1] is not None]
+def completion_rate(b: Budget, now: float) -> float | None:
+    span = completion_span(b, now)
+    return None if span is None else span[0]
+
+
+def _learned(b: Budget, pace: float, since: float, until: float, consumed: int) -> int:
+    """End learning with the unthrottled `pace` measured from `since` to
+    `until`; the device's utilization is split over the same span."""
+    samples = [x for x in b.utils if since < x[0] <= until and x[1] is not None]
     b.pace = pace
     b.full_rate = pace
     if samples and pace > 0:
@@ -140,10 +147,10 @@ def tick(b: Budget, *, now: float, consumed: int, completed: int | None = None,
                             device.unknown_others_rate))
         if age < learn_s * LEARN_FROM:
             return b.granted
-        pace = completion_rate(b, now)
-        if pace and b.done[0][0] - b.started >= learn_s * LEARN_FROM * 0.5:
+        span = completion_span(b, now)
+        if span and b.done[0][0] - b.started >= learn_s * LEARN_FROM * 0.5:
             b.by_completion = True
-            return _learned(b, now, pace, b.done[0][0], consumed)
+            return _learned(b, span[0], span[1], span[2], consumed)
         if b.done and age < LEARN_MAX_S:
             return b.granted       # it synchronizes: wait for its GPU pace
         if b.mark is None:
@@ -151,7 +158,7 @@ def tick(b: Budget, *, now: float, consumed: int, completed: int | None = None,
             return b.granted
         if age < learn_s or consumed == b.mark[1]:
             return b.granted       # not long enough, or idle: nothing to cap yet
-        return _learned(b, now, (consumed - b.mark[1]) / (now - b.mark[0]), b.mark[0], consumed)
+        return _learned(b, (consumed - b.mark[1]) / (now - b.mark[0]), b.mark[0], now, consumed)
 
     b.rate = max(MIN_RATE, b.cap / 100.0 * b.full_rate)
     pace = completion_rate(b, now) if b.by_completion else None
@@ -190,3 +197,18 @@ def neighbours(device_util: float | None, rates: dict, known: dict) -> dict:
             sum(p for j, p in parts.items() if j != k),
             sum(r for j, r in rates.items() if j != k and j not in parts))
     return out
+
+
+BUSY_S = 0.5    # a group that launched on a device this recently is busy there
+
+
+def held_to_cap(priority: int, policy: str, lend_idle: bool, others) -> bool:
+    """Whether a capped group is held to its cap on a device this tick.
+    `others`: (priority, busy) of the other groups on the device. Without
+    lending, or under GPU_CORE_UTILIZATION_POLICY=force, always. With it, only
+    while a group of higher or equal priority (HAMi: a smaller number is
+    higher) is busy: what they leave idle is free to use, and a lower-priority
+    group's activity never holds a higher one back."""
+    if not lend_idle or policy == "force":
+        return True
+    return any(busy and p <= priority for p, busy in others)

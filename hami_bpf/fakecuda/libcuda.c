@@ -148,25 +148,16 @@ static unsigned long long g_launches;
  * The simulated GPU (FAKECUDA_GPU_SIM=/dev/shm/NAME): one timeline per device,
  * shared by every process that maps the same file, so processes compete for
  * it as they do for a real GPU.  A launch appends FAKECUDA_NS_PER_BLOCK x
- * blocks (a graph: FAKECUDA_GRAPH_NS) of device time after the process's own
- * queued work, stretched by the number of processes with work queued (the
- * GPU time-slices between contexts: processor sharing, roughly);
- * a launch that finds more than FAKECUDA_QUEUE_NS of the process's work queued
- * blocks until it drains to that depth (the driver's push-back); synchronize
+ * blocks (a graph: FAKECUDA_GRAPH_NS) of device time to the device's queue;
+ * a launch that finds more than FAKECUDA_QUEUE_NS of the process's own work
+ * queued blocks until it drains to that depth (the driver's push-back), so
+ * processes that keep their queues full share the device evenly; synchronize
  * calls sleep until the process's last launch is done.  Without the variable
  * launches take no device time and synchronize returns at once.
  */
-#define SIM_PROCS 64
 struct gpu_sim {
-    /* Device-wide busy time, for utilization: the union of every process's
-     * queued work. busy_ns counts it up to busy_until (CLOCK_MONOTONIC ns). */
-    unsigned long long busy_until[MAX_DEVICES];
-    unsigned long long busy_ns[MAX_DEVICES];
-    struct {
-        int pid;
-        int pad;
-        unsigned long long until[MAX_DEVICES];   /* this process's queue ends at */
-    } procs[SIM_PROCS];
+    unsigned long long busy_until[MAX_DEVICES]; /* the device's queue ends at (CLOCK_MONOTONIC ns) */
+    unsigned long long busy_ns[MAX_DEVICES];    /* device time ever queued */
 };
 static struct gpu_sim *g_sim;
 static unsigned long long g_ns_per_block, g_graph_ns, g_queue_ns;
@@ -379,57 +370,55 @@ static void sleep_until_ns(unsigned long long when)
         ;
 }
 
-static int g_sim_slot = -1;
+/* This process's kernels not yet done, oldest first: the driver pushes back
+ * on a process (not the device) whose queue is full. */
+#define SIM_RING 8192
+static struct { unsigned long long end, ns; } g_ring[SIM_RING];
+static unsigned g_ring_head, g_ring_len;
+static unsigned long long g_pending_ns;
+static pthread_mutex_t g_ring_lock = PTHREAD_MUTEX_INITIALIZER;
 
-static int sim_slot(void)
+static void ring_retire(unsigned long long now)
 {
-    if (g_sim_slot >= 0)
-        return g_sim_slot;
-    int me = getpid();
-    for (int pass = 0; pass < 2; pass++)
-        for (int i = 0; i < SIM_PROCS; i++) {
-            int cur = __atomic_load_n(&g_sim->procs[i].pid, __ATOMIC_ACQUIRE);
-            /* pass 0: a free slot; pass 1: one whose process is gone */
-            if (cur == me || (pass == 0 && cur == 0) || (pass == 1 && kill(cur, 0) && errno == ESRCH)) {
-                if (cur == me || __atomic_compare_exchange_n(&g_sim->procs[i].pid, &cur, me, 0,
-                                                             __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
-                    memset(g_sim->procs[i].until, 0, sizeof(g_sim->procs[i].until));
-                    return g_sim_slot = i;
-                }
-            }
-        }
-    return -1;
+    while (g_ring_len && g_ring[g_ring_head].end <= now) {
+        g_pending_ns -= g_ring[g_ring_head].ns;
+        g_ring_head = (g_ring_head + 1) % SIM_RING;
+        g_ring_len--;
+    }
 }
 
-/* Queue `ns` of device time on `dev` after the process's queued work. */
+/* Queue `ns` of device time on `dev`. One FIFO timeline per device, shared by
+ * all processes: work-conserving, and fair between processes that keep their
+ * queues full, since each may hold at most FAKECUDA_QUEUE_NS of it. */
 static void sim_launch(int dev, unsigned long long ns)
 {
     if (!g_sim || dev < 0 || dev >= MAX_DEVICES)
         return;
-    int slot = sim_slot();
-    if (slot < 0)
-        return;
+    pthread_mutex_lock(&g_ring_lock);
     unsigned long long now = mono_ns();
-    int others = 0;
-    for (int i = 0; i < SIM_PROCS; i++)
-        if (i != slot && __atomic_load_n(&g_sim->procs[i].until[dev], __ATOMIC_RELAXED) > now)
-            others++;
-    unsigned long long mine = g_sim->procs[slot].until[dev];
-    unsigned long long start = mine > now ? mine : now, end = start + ns * (1 + others);
-    __atomic_store_n(&g_sim->procs[slot].until[dev], end, __ATOMIC_RELEASE);
-    __atomic_store_n(&g_last_end[dev], end, __ATOMIC_RELAXED);
-    /* the device-wide union, for utilization */
-    unsigned long long old = __atomic_load_n(&g_sim->busy_until[dev], __ATOMIC_ACQUIRE);
-    while (end > old) {
-        unsigned long long from = start > old ? start : old;
-        if (__atomic_compare_exchange_n(&g_sim->busy_until[dev], &old, end, 0, __ATOMIC_ACQ_REL,
-                                        __ATOMIC_ACQUIRE)) {
-            __atomic_add_fetch(&g_sim->busy_ns[dev], end - from, __ATOMIC_RELAXED);
-            break;
-        }
+    ring_retire(now);
+    while (g_ring_len && (g_pending_ns + ns > g_queue_ns || g_ring_len == SIM_RING)) {
+        unsigned long long wake = g_ring[g_ring_head].end;
+        pthread_mutex_unlock(&g_ring_lock);
+        sleep_until_ns(wake);
+        pthread_mutex_lock(&g_ring_lock);
+        now = mono_ns();
+        ring_retire(now);
     }
-    if (end > now + g_queue_ns)
-        sleep_until_ns(end - g_queue_ns);
+    unsigned long long old = __atomic_load_n(&g_sim->busy_until[dev], __ATOMIC_ACQUIRE), end;
+    do {
+        end = (old > now ? old : now) + ns;
+    } while (!__atomic_compare_exchange_n(&g_sim->busy_until[dev], &old, end, 0,
+                                          __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE));
+    __atomic_add_fetch(&g_sim->busy_ns[dev], ns, __ATOMIC_RELAXED);
+    unsigned tail = (g_ring_head + g_ring_len) % SIM_RING;
+    g_ring[tail].end = end;
+    g_ring[tail].ns = ns;
+    g_ring_len++;
+    g_pending_ns += ns;
+    if (end > g_last_end[dev])
+        g_last_end[dev] = end;
+    pthread_mutex_unlock(&g_ring_lock);
 }
 
 static void sim_sync(int dev)

@@ -152,3 +152,31 @@ def test_a_tiny_rate_still_grants_over_time():
         t += 0.05
         granted = tick(b, now=t, consumed=over)
     assert granted > over
+
+
+def test_without_lending_a_cap_always_holds():
+    from hami_bpf.throttle import held_to_cap
+    assert held_to_cap(1, "default", False, [])
+    assert held_to_cap(1, "default", False, [(0, False)])
+
+
+def test_lending_holds_only_while_higher_or_equal_priority_is_busy():
+    from hami_bpf.throttle import held_to_cap
+    assert not held_to_cap(1, "default", True, [])                 # alone: free
+    assert not held_to_cap(1, "default", True, [(0, False)])       # high idle: free
+    assert held_to_cap(1, "default", True, [(0, True)])            # high busy: held
+    assert held_to_cap(1, "default", True, [(1, True)])            # equal busy: held
+    assert not held_to_cap(0, "default", True, [(1, True)])        # lower busy: free
+    assert held_to_cap(1, "force", True, [])                       # force: always
+
+
+def test_sched_takes_the_lower_priority_and_the_stricter_policy():
+    from hami_bpf.limits import effective_sched, load_policy, parse_env_limits
+    env, _ = parse_env_limits({"CUDA_TASK_PRIORITY": "0"})
+    assert effective_sched(None, "g", env) == (0, "default")
+    pol = load_policy('[default]\npriority = 2\n', "p.toml")
+    # the workload asks for 0: it cannot raise its priority above the policy's
+    assert effective_sched(pol, "g", env) == (2, "default")
+    env2, _ = parse_env_limits({"CUDA_TASK_PRIORITY": "5", "GPU_CORE_UTILIZATION_POLICY": "force"})
+    assert effective_sched(None, "g", env2) == (5, "force")
+    assert effective_sched(None, "g", None) == (1, "default")
