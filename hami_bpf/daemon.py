@@ -483,6 +483,19 @@ class Daemon:
                              len(got), nvml)
             log.info("attached %d probes to %s%s", len(a.core), lib,
                      f" (+{len(a.launch)} launch probes)" if a.launch else "")
+        self.probe_cost_s = 0.0
+        if cfg.sm_limits and self.libs:
+            # Measured before any process is registered: the daemon maps
+            # libcuda for it and must not count itself as a CUDA process.
+            lib = str(self.libs[0])
+            try:
+                self.probe_cost_s = self.probes.measure_launch_probe_cost(lib)
+                self.mechanisms["launch_probe_cost"] = (
+                    f"{self.probe_cost_s * 1e6:.2f} us per launch (measured on {lib})")
+            except Exception as e:  # noqa: BLE001 - the controller works without it
+                self.mechanisms["launch_probe_cost"] = f"unknown ({e})"
+                self.record("fallback", f"measuring the launch probe's cost on {lib}: {e}; "
+                            "host-bound launchers will run a little under their caps")
         for lib in list(self.libs):
             st = lib.stat()
             self._pinned_files.add((st.st_dev, st.st_ino))
@@ -827,6 +840,8 @@ class Daemon:
             self._throttle(e)
 
     def _register(self, pid: int, ts_ns: int, comm: str = "", existing: bool = False) -> None:
+        if pid == os.getpid():
+            return    # the daemon maps libcuda to measure its probes; it is not a workload
         st = enforce.proc_start_time(pid)
         env = proc_environ(pid) if st is not None else {}
         limits = None
@@ -945,16 +960,17 @@ class Daemon:
                 key = (g.index, dev)
                 b = self.budgets.get(key)
                 if b is None:
-                    b = self.budgets[key] = Budget(cap=cap)
+                    b = self.budgets[key] = Budget(cap=cap, probe_s=self.probe_cost_s)
                 b.cap = cap
-                consumed, _n, completed = use.get(key, (0, 0, 0))
+                consumed, n_launch, completed = use.get(key, (0, 0, 0))
                 was_learning = b.learning
-                granted = budget_tick(b, now=now, consumed=consumed,
+                granted = budget_tick(b, now=now, consumed=consumed, launches=n_launch,
                                       completed=completed or None, device=share.get(key))
                 if was_learning and not b.learning:
                     self.record("throttle", f"group {group!r} device {dev}: cap {cap}% of a "
                                 f"learned full rate of {b.full_rate:.4g} units/s (pace "
                                 f"{b.pace:.4g}/s{', contended' if b.contended else ''}"
+                                f"{f', host-bound: +{b.probe_share:.1%} for the probe' if b.probe_share else ''}"
                                 f"{', from completions' if b.by_completion else ''})",
                                 group=group, device=dev, full_rate=b.full_rate, pace=b.pace,
                                 work_per_unit=b.work_per_unit, contended=b.contended)

@@ -401,6 +401,39 @@ class Probes:
                 [(s, True, (CORE_PROBES.get(s) or NVML_PROBES[s])[1] is not None) for s in a.core])
         self._detach_later(lib, jobs, then)
 
+    def measure_launch_probe_cost(self, lib: str, rounds: int = 3, calls: int = 20000) -> float:
+        """Seconds a launch probe adds to each call, measured here and now:
+        the launch handler is attached to `lib`'s cuDriverGetVersion (harmless,
+        needs no cuInit, and like every driver entry begins with push %rbp, so
+        the uprobe traps the way it does on cuLaunchKernel), which this
+        process then calls with and without it. The controller uses it to
+        tell what a host-bound launcher would do without the probe."""
+        import ctypes
+        fn = ctypes.CDLL(lib).cuDriverGetVersion
+        v = ctypes.c_int()
+        ref = ctypes.byref(v)
+
+        def per_call() -> float:
+            best = float("inf")
+            for _ in range(3):
+                t = time.perf_counter_ns()
+                for _ in range(calls):
+                    fn(ref)
+                best = min(best, (time.perf_counter_ns() - t) / calls)
+            return best
+
+        diffs = []
+        for _ in range(rounds):
+            bare = per_call()
+            self._attach(lib, "cuDriverGetVersion", "uprobe__cuLaunchKernel")
+            try:
+                probed = per_call()
+            finally:
+                self._detach_now(lib, "cuDriverGetVersion")
+            diffs.append(probed - bare)
+        diffs.sort()
+        return max(0.0, diffs[len(diffs) // 2]) / 1e9
+
     def launch_probes_attached(self) -> int:
         return sum(len(a.launch) for a in self.attached.values())
 

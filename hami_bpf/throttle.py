@@ -61,6 +61,8 @@ class Budget:
     pace: float = 0.0               # learned unthrottled rate as seen (before contention)
     work_per_unit: float | None = None  # device seconds per cost unit, w (with utilization)
     contended: bool = False         # the device was saturated while learning
+    probe_s: float = 0.0            # host time the launch probe adds per launch (measured)
+    probe_share: float = 0.0        # learned: the part of the launcher's time the probe took
     started: float | None = None
     mark: tuple[float, int] | None = None   # (time, consumed) where learning starts to count
     last_t: float | None = None
@@ -114,13 +116,21 @@ def _learned(b: Budget, pace: float, since: float, until: float, consumed: int) 
         if ud >= SATURATED and part < ud:
             b.contended = True
             b.full_rate = pace * ud / part
+        elif ud < SATURATED and b.probe_s > 0 and len(samples) > 1:
+            # The device had room: the launcher, not the GPU, set the pace,
+            # and the probe's trap took part of each launch. Without probes
+            # (uncapped) it would run that much faster; caps are shares of that.
+            first, last = samples[0], samples[-1]
+            lr = (last[5] - first[5]) / (last[0] - first[0]) if last[0] > first[0] else 0.0
+            b.probe_share = min(0.5, lr * b.probe_s)
+            b.full_rate = pace / (1.0 - b.probe_share)
     b.rate = max(MIN_RATE, b.cap / 100.0 * b.full_rate)
     b.granted, b.credit = consumed, float(consumed)   # the bank starts empty
     b.utils = []
     return b.granted
 
 
-def tick(b: Budget, *, now: float, consumed: int, completed: int | None = None,
+def tick(b: Budget, *, now: float, consumed: int, launches: int = 0, completed: int | None = None,
          device: "DeviceView | None" = None, learn_s: float = LEARN_S,
          burst_s: float = BURST_S) -> int:
     """Advance one budget to `now` given the probes' cumulative `consumed`
@@ -144,7 +154,7 @@ def tick(b: Budget, *, now: float, consumed: int, completed: int | None = None,
         age = now - b.started
         if device is not None:
             b.utils.append((now, device.util, device.known_others, rate_seen,
-                            device.unknown_others_rate))
+                            device.unknown_others_rate, launches))
         if age < learn_s * LEARN_FROM:
             return b.granted
         span = completion_span(b, now)

@@ -180,3 +180,25 @@ def test_sched_takes_the_lower_priority_and_the_stricter_policy():
     env2, _ = parse_env_limits({"CUDA_TASK_PRIORITY": "5", "GPU_CORE_UTILIZATION_POLICY": "force"})
     assert effective_sched(None, "g", env2) == (5, "force")
     assert effective_sched(None, "g", None) == (1, "default")
+
+
+def test_a_host_bound_launcher_is_credited_the_probes_cost():
+    # 100k launches/s with 2 us of probe each: 20% of its time was the probe;
+    # uncapped (no probe) it launches 125k/s, and caps are shares of that.
+    b = Budget(cap=50, probe_s=2e-6)
+    t, consumed, launches = 0.0, 0, 0
+    tick(b, now=t, consumed=0, launches=0)
+    while b.learning:
+        t += 0.05
+        consumed += 5000
+        launches += 5000
+        tick(b, now=t, consumed=consumed, launches=launches,
+             device=DeviceView(30.0, 0.0, 0.0))
+    assert abs(b.probe_share - 0.2) < 0.01
+    assert abs(b.full_rate - 125_000) / 125_000 < 0.03
+
+
+def test_a_saturated_device_gets_no_probe_credit():
+    b = Budget(cap=50, probe_s=2e-6)
+    run(b, lambda: 100_000, LEARN_S + 0.1, device_fn=lambda b: DeviceView(100.0, 0.0, 0.0))
+    assert b.probe_share == 0.0
