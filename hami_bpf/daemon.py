@@ -291,6 +291,7 @@ class Daemon:
         # the strictest policy any member asked for (limits.effective_sched).
         self.sched: dict[str, tuple[int, str]] = {}
         self._last_busy: dict[tuple[int, int], float] = {}   # (group index, device) -> last launch seen
+        self._budget_logged: dict[tuple[int, int], float] = {}
         self.lending: set[tuple[int, int]] = set()           # (group index, device) above its cap now
         self.throttled: dict[str, set[int]] = {}
         self.throttle_since: dict[str, float] = {}
@@ -993,6 +994,13 @@ class Daemon:
                 margin = (b.rate or 0) * RESUME_MARGIN_S
                 room = room and consumed + margin < granted
                 self.sm_share[key] = b.last_share
+                if log.isEnabledFor(logging.DEBUG) and now - self._budget_logged.get(key, 0) >= 0.5:
+                    self._budget_logged[key] = now
+                    log.debug("budget %s dev %d: cap %s learning=%s F=%.4g R=%s consumed=%d "
+                              "launches=%d completed=%d granted=%d held=%s cut_short=%d episodes=%d",
+                              group, dev, cap, b.learning, b.full_rate, b.rate and round(b.rate),
+                              consumed, n_launch, completed, granted, group in self.throttled,
+                              self.counters["holds_cut_short"], self.counters["throttle_episodes"])
             held_for = now - self.throttle_since.get(group, now)
             if group in self.throttled and (room or held_for > MAX_HOLD_S):
                 if not room:

@@ -74,9 +74,11 @@ LAUNCH_PROBES: dict[str, str] = {
 LAUNCH_SYMBOLS = tuple(LAUNCH_PROBES)
 
 # Synchronize calls: their returns tell the controller what the GPU finished.
-# Attached and detached with the launch probes.
+# Attached and detached with the launch probes. PyTorch 2.11 on driver 580:
+# torch.cuda.synchronize() -> cuCtxSynchronize_v2, .item() -> cuStreamSynchronize,
+# Event.synchronize() -> cuEventSynchronize (bench/gpu/which_calls.py).
 SYNC_SYMBOLS = ("cuStreamSynchronize", "cuStreamSynchronize_ptsz", "cuCtxSynchronize",
-                "cuEventSynchronize")
+                "cuCtxSynchronize_v2", "cuEventSynchronize")
 
 BPF_ANY, BPF_NOEXIST, BPF_EXIST = 0, 1, 2
 

@@ -1,41 +1,59 @@
 #!/bin/bash
-# SM limiting on one GPU, one device run: each workload uncapped, then capped
-# at 25/50/75 (HAMi's CUDA_DEVICE_SM_LIMIT); two groups at 30/70 side by side;
-# host time per launch with no probe vs with the launch probe attached.
-# Usage (device tool): bash bench/gpu/sm_bench.sh   (carry: .debs .device)
+# SM limiting on one GPU, one device run (nvidia-h200, carry .debs .device):
+#   each workload uncapped, then capped at 25/50/75 (HAMi's CUDA_DEVICE_SM_LIMIT);
+#   two groups at 30/70 side by side (matmul, then small kernels);
+#   host time per launch: no probe vs launch probes attached (same process).
+# Usage: bash bench/gpu/sm_bench.sh ; results in $OUT (sm.jsonl, launch.jsonl, daemon.log)
 set -u
 OUT=${OUT:-$PWD/bench-out}; mkdir -p "$OUT"
 bash .device/setup-bcc.sh .debs > "$OUT/setup.log" 2>&1 || { cat "$OUT/setup.log"; exit 1; }
 . /tmp/bccroot/env.sh
 LIB=$(ls /usr/local/nvidia/lib64/libcuda.so.*.* | head -1)
+H="python3 bench/hami.py"
 R="$OUT/sm.jsonl"; : > "$R"
-start_daemon() {
-  python3 bench/hami.py run --libcuda "$LIB" --group-by env:HAMI_GROUP --socket /tmp/h.sock \
-      --state-dir /tmp/hs "$@" > /dev/null 2>> "$OUT/daemon.log" &
-  DPID=$!
-  for i in $(seq 1 120); do [ -S /tmp/h.sock ] && python3 bench/hami.py ps --socket /tmp/h.sock >/dev/null 2>&1 && break; sleep 0.5; done
-}
-stop_daemon() { kill -TERM $DPID; wait $DPID; }
+t0=$(date +%s)
+$H run --libcuda "$LIB" --group-by env:HAMI_GROUP --socket /tmp/h.sock --state-dir /tmp/hs \
+    --sm-limits -v > /dev/null 2>> "$OUT/daemon.log" &
+DPID=$!
+for i in $(seq 1 240); do grep -q "ready" "$OUT/daemon.log" && break; sleep 0.25; done
+echo "daemon ready after $(( $(date +%s) - t0 )) s: $(grep -m1 'launch_probe_cost\|probe' "$OUT/daemon.log" | head -1)"
 W=bench/gpu/sm_workload.py
-start_daemon
 for kind in matmul small graph; do
-  HAMI_GROUP=base-$kind python3 $W $kind --label uncapped | tee -a "$R"
+  HAMI_GROUP=base-$kind python3 $W $kind --seconds 8 --settle 3 --label uncapped | tee -a "$R" | cut -c1-150
   for cap in 25 50 75; do
-    HAMI_GROUP=cap$cap-$kind CUDA_DEVICE_SM_LIMIT=$cap python3 $W $kind --label cap$cap | tee -a "$R"
+    HAMI_GROUP=cap$cap-$kind CUDA_DEVICE_SM_LIMIT=$cap python3 $W $kind --seconds 8 --settle 3 \
+        --label cap$cap | tee -a "$R" | cut -c1-150
   done
 done
-echo "== two groups 30/70 (matmul)"
-HAMI_GROUP=g30 CUDA_DEVICE_SM_LIMIT=30 python3 $W matmul --seconds 10 --settle 3 --label pair30 >> "$R" &
-A=$!
-HAMI_GROUP=g70 CUDA_DEVICE_SM_LIMIT=70 python3 $W matmul --seconds 10 --settle 3 --label pair70 >> "$R" &
-B=$!
-wait $A $B
-echo "== two groups uncapped side by side (matmul)"
-HAMI_GROUP=u1 python3 $W matmul --seconds 10 --settle 3 --label pairfree1 >> "$R" &
-A=$!
-HAMI_GROUP=u2 python3 $W matmul --seconds 10 --settle 3 --label pairfree2 >> "$R" &
-B=$!
-wait $A $B
-python3 bench/hami.py ps --socket /tmp/h.sock --json > "$OUT/ps.json" 2>&1
-stop_daemon
+for kind in matmul small; do
+  echo "== two groups 30/70 ($kind)"
+  HAMI_GROUP=g30-$kind CUDA_DEVICE_SM_LIMIT=30 python3 $W $kind --seconds 12 --settle 5 --label pair30 >> "$R" &
+  A=$!
+  HAMI_GROUP=g70-$kind CUDA_DEVICE_SM_LIMIT=70 python3 $W $kind --seconds 12 --settle 5 --label pair70 >> "$R" &
+  B=$!
+  wait $A $B
+done
+echo "== host time per launch, one process: no probe, then launch probes attached"
+python3 bench/gpu/launch_cost.py --phases noprobe,probed,noprobe2 --dir "$OUT/ph" > "$OUT/launch.jsonl" &
+L=$!
+phase() {   # phase NAME: let the process measure, wait until it has
+  touch "$OUT/ph/go-$1"
+  for i in $(seq 1 600); do [ -e "$OUT/ph/done-$1" ] && return; sleep 0.1; done
+  echo "phase $1 timed out"
+}
+mkdir -p "$OUT/ph"; sleep 8
+phase noprobe
+HAMI_GROUP=keeper CUDA_DEVICE_SM_LIMIT=50 python3 -c "import torch,time; torch.zeros(1,device='cuda'); time.sleep(3600)" &
+K=$!
+for i in $(seq 1 100); do $H ps --socket /tmp/h.sock --json 2>/dev/null | grep -q '"keeper"' && break; sleep 0.2; done
+sleep 2
+phase probed
+kill $K; wait $K 2>/dev/null
+sleep 6       # the last cap left: launch probes detach in the background
+phase noprobe2
+wait $L
+cat "$OUT/launch.jsonl"
+$H events --socket /tmp/h.sock > "$OUT/events.txt" 2>&1
+grep -i "learned" "$OUT/events.txt" | cut -c1-220
+kill -TERM $DPID; wait $DPID; echo "daemon exit $? after $(( $(date +%s) - t0 )) s"
 python3 bench/gpu/sm_summary.py "$R"

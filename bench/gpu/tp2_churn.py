@@ -46,21 +46,50 @@ def churner(mode: str) -> None:
     os._exit(0)
 
 
-def rank_main(rank: int, seconds: float, out_path: str) -> None:
+def rank_main(rank: int, seconds: float, out_path: str, mode: str) -> None:
     import torch
     import torch.distributed as dist
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=2)
+    try:
+        dist.init_process_group("nccl", rank=rank, world_size=2,
+                                device_id=torch.device("cuda", rank))
+    except TypeError:   # an older torch: no eager NCCL init
+        dist.init_process_group("nccl", rank=rank, world_size=2)
     x = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+
+    def body():
+        torch.matmul(x, w, out=y)
+        dist.all_reduce(y)
+
+    graph_error = None
+    if mode == "graph":
+        # Decode with CUDA graphs: the step's matmul and all-reduce replayed
+        # as one graph launch (NCCL collectives can be captured).
+        try:
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                for _ in range(3):
+                    body()
+            torch.cuda.current_stream().wait_stream(s)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                body()
+            step = g.replay
+        except Exception as e:  # noqa: BLE001 - fall back, and say so
+            graph_error = str(e)[:300]
+            step = body
+    else:
+        step = body
     times = []
     t0 = time.monotonic()
     while time.monotonic() - t0 < seconds:
-        y = x @ w
-        dist.all_reduce(y)
-        y.sum().item()          # a decode step ends with a host sync
+        step()
+        y[0, 0].item()          # a decode step ends with a host sync
         times.append(time.monotonic())
     reserved = torch.cuda.memory_reserved()
     from hami_bpf.server import fetch_snapshot
@@ -69,7 +98,7 @@ def rank_main(rank: int, seconds: float, out_path: str) -> None:
     used = sum(d.used_bytes for d in me.devices.values()) if me else None
     with open(out_path, "w") as f:
         json.dump({"rank": rank, "pid": os.getpid(), "times": times, "reserved": reserved,
-                   "hami_used": used}, f)
+                   "hami_used": used, "mode": mode, "graph_error": graph_error}, f)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -81,16 +110,18 @@ def main():
     ap.add_argument("--out", default="/tmp")
     ap.add_argument("--churner", choices=["exit", "kill", "crash", "hang"])
     ap.add_argument("--rank", type=int)
+    ap.add_argument("--mode", choices=["eager", "graph"], default="eager")
+    ap.add_argument("--no-churn", action="store_true")
     a = ap.parse_args()
     if a.churner:
         churner(a.churner)
         return
     if a.rank is not None:
-        rank_main(a.rank, a.seconds, os.path.join(a.out, f"rank{a.rank}.json"))
+        rank_main(a.rank, a.seconds, os.path.join(a.out, f"rank{a.rank}.json"), a.mode)
         return
     env = dict(os.environ, HAMI_SOCK=a.socket)
     ranks = [subprocess.Popen([sys.executable, __file__, "--rank", str(r), "--seconds", str(a.seconds),
-                               "--out", a.out], env=env) for r in (0, 1)]
+                               "--out", a.out, "--mode", a.mode], env=env) for r in (0, 1)]
     from hami_bpf.server import fetch_snapshot
     stop = time.monotonic() + a.seconds + 20
     contiguous, polls, slots_of = True, 0, {}
@@ -98,7 +129,8 @@ def main():
     kids = []
     started = time.monotonic()
     while any(r.poll() is None for r in ranks) and time.monotonic() < stop:
-        if time.monotonic() - started > 8 and time.monotonic() - started < a.seconds + 5:
+        if (not a.no_churn and time.monotonic() - started > 8
+                and time.monotonic() - started < a.seconds + 5):
             mode = random.choice(["exit", "kill", "crash", "exit"])
             p = subprocess.Popen([sys.executable, __file__, "--churner",
                                   "hang" if mode == "kill" else mode], env=env,
@@ -128,12 +160,16 @@ def main():
         if p.poll() is None:
             p.kill()
     res = [json.load(open(os.path.join(a.out, f"rank{r}.json"))) for r in (0, 1)]
-    gaps = []
+    gaps, p99 = [], []
     for r in res:
         ts = r["times"]
-        gaps.append(max(b - c for c, b in zip(ts, ts[1:])) if len(ts) > 1 else None)
+        d = sorted(b - c for c, b in zip(ts, ts[1:]))
+        gaps.append(d[-1] if d else None)
+        p99.append(d[int(0.99 * (len(d) - 1))] if d else None)
     print(json.dumps({
-        "seconds": a.seconds, "churners": len(kids),
+        "mode": a.mode, "graph_error": [r.get("graph_error") for r in res],
+        "sm_limit": os.environ.get("CUDA_DEVICE_SM_LIMIT"),
+        "seconds": a.seconds, "churners": len(kids), "step_gap_p99_s": p99,
         "churner_modes": {m: sum(1 for _p, mm, _t in kids if mm == m) for m in ("exit", "kill", "crash")},
         "max_gap_s": max(g for g in gaps if g is not None) if all(gaps) else None,
         "steps_per_s": [len(r["times"]) / (r["times"][-1] - r["times"][0]) for r in res],

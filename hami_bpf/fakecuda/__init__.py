@@ -89,7 +89,7 @@ ENTRY_SYMBOLS: tuple[str, ...] = (
     "cuLaunchKernel", "cuLaunchKernel_ptsz", "cuLaunchKernelEx",
     "cuLaunchKernelEx_ptsz", "cuLaunchCooperativeKernel",
     "cuLaunchCooperativeKernel_ptsz", "cuGraphLaunch", "cuGraphLaunch_ptsz",
-    "cuCtxSynchronize", "cuStreamSynchronize", "cuStreamSynchronize_ptsz", "cuEventSynchronize",
+    "cuCtxSynchronize", "cuCtxSynchronize_v2", "cuStreamSynchronize", "cuStreamSynchronize_ptsz", "cuEventSynchronize",
     "cuGetProcAddress_v2", "cuGetErrorString",
 )
 

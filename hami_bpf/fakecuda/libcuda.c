@@ -1036,6 +1036,14 @@ EXPORT CUresult cuCtxSynchronize(void)
     return sync_check();
 }
 
+/* What cudaDeviceSynchronize calls in CUDA 12.8+ runtimes (driver 580). */
+EXPORT CUresult cuCtxSynchronize_v2(CUcontext ctx)
+{
+    ENTRY();
+    (void)ctx;
+    return sync_check();
+}
+
 EXPORT CUresult cuStreamSynchronize(CUstream hStream)
 {
     ENTRY();
