@@ -42,7 +42,10 @@ from dataclasses import dataclass, field
 
 LEARN_S = 1.0         # at least this long unthrottled
 LEARN_FROM = 0.4      # fraction of the learning window ignored (queue filling)
-LEARN_MAX_S = 3.0     # give up waiting for completions; use the host-side rate
+LEARN_MAX_S = 3.0     # of launching without a synchronize: use the host-side rate
+HOST_WINDOW_S = 1.0   # the host-side rate is measured over this long
+SUSTAINED = 0.8       # ... once the group launched in every tick of this part of it
+LEARN_GIVEUP_S = 10.0  # or after this long launching, sustained or not
 BURST_S = 0.05
 MIN_RATE = 1.0        # cost units per second
 SATURATED = 90.0      # device utilization (percent) at which groups contend
@@ -64,7 +67,9 @@ class Budget:
     probe_s: float = 0.0            # host time the launch probe adds per launch (measured)
     probe_share: float = 0.0        # learned: the part of the launcher's time the probe took
     started: float | None = None
-    mark: tuple[float, int] | None = None   # (time, consumed) where learning starts to count
+    start_consumed: int = 0
+    active_since: float | None = None   # learning counts from the first launch seen
+    ticks: list = field(default_factory=list)   # (time, consumed) while learning, last HOST_WINDOW_S
     last_t: float | None = None
     last_consumed: int = 0
     credit: float | None = None     # granted, unrounded
@@ -141,7 +146,7 @@ def tick(b: Budget, *, now: float, consumed: int, launches: int = 0, completed: 
         b.done = [(t, c) for t, c in b.done if now - t <= DONE_WINDOW_S + 0.5]
     if b.started is None:
         b.started = b.last_t = now
-        b.last_consumed = consumed
+        b.last_consumed = b.start_consumed = consumed
         b.granted = max(b.granted, consumed + (1 << 40))   # unthrottled while learning
         return b.granted
     dt = now - b.last_t
@@ -151,24 +156,38 @@ def tick(b: Budget, *, now: float, consumed: int, launches: int = 0, completed: 
     b.last_t, b.last_consumed = now, consumed
 
     if b.rate is None:
-        age = now - b.started
+        if b.active_since is None:
+            if consumed <= b.start_consumed:
+                return b.granted       # nothing launched yet: nothing to learn from
+            b.active_since = now - dt
+        active = now - b.active_since
         if device is not None:
             b.utils.append((now, device.util, device.known_others, rate_seen,
                             device.unknown_others_rate, launches))
-        if age < learn_s * LEARN_FROM:
+        b.ticks.append((now, consumed))
+        b.ticks = [(t, c) for t, c in b.ticks if now - t <= HOST_WINDOW_S]
+        if active < learn_s * LEARN_FROM:
             return b.granted
         span = completion_span(b, now)
-        if span and b.done[0][0] - b.started >= learn_s * LEARN_FROM * 0.5:
+        if span and b.done[0][0] - b.active_since >= learn_s * LEARN_FROM * 0.5:
             b.by_completion = True
             return _learned(b, span[0], span[1], span[2], consumed)
-        if b.done and age < LEARN_MAX_S:
-            return b.granted       # it synchronizes: wait for its GPU pace
-        if b.mark is None:
-            b.mark = (now, consumed)
+        if active < LEARN_MAX_S:
+            return b.granted       # most workloads synchronize: wait for the GPU's pace
+        # It has not synchronized: the host's launch rate over the last
+        # window, once launching is sustained (a process still setting up
+        # launches in bursts, and a rate learned then would starve it later).
+        run = len(b.ticks) - 1        # the trailing run of ticks that all launched
+        while run > 0 and b.ticks[run][1] > b.ticks[run - 1][1]:
+            run -= 1
+        run = min(run + 1, len(b.ticks) - 1)   # its first interval may be partial
+        sustained = b.ticks[-1][0] - b.ticks[run][0]
+        if sustained < SUSTAINED * HOST_WINDOW_S and active < LEARN_GIVEUP_S:
             return b.granted
-        if age < learn_s or consumed == b.mark[1]:
-            return b.granted       # not long enough, or idle: nothing to cap yet
-        return _learned(b, (consumed - b.mark[1]) / (now - b.mark[0]), b.mark[0], now, consumed)
+        (t0, c0), (t1, c1) = (b.ticks[run] if sustained > 0 else b.ticks[0]), b.ticks[-1]
+        if t1 <= t0 or c1 <= c0:
+            return b.granted
+        return _learned(b, (c1 - c0) / (t1 - t0), t0, t1, consumed)
 
     b.rate = max(MIN_RATE, b.cap / 100.0 * b.full_rate)
     pace = completion_rate(b, now) if b.by_completion else None

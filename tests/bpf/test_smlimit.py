@@ -97,8 +97,10 @@ def test_capped_group_is_stopped_and_resumed_uncapped_never(daemon, fakecuda):
     try:
         wait_for(lambda: None if launch_probes(daemon) > 0 else "no launch probe yet", 5,
                  what="launch probes attached for the first SM cap")
-        run_free = Launching(free, 600000)
-        run = Launching(capped, 600000, watch=(idle_peer.pid,))
+        # No synchronize here: the controller waits up to 3 s for one before it
+        # learns from the launch rate, so launch for longer than that.
+        run_free = Launching(free, 1600000)
+        run = Launching(capped, 1600000, watch=(idle_peer.pid,))
         samples = run.sample_until_done()
         run_free.sample_until_done()
         assert run.reply["rc"] == "0" and run_free.reply["rc"] == "0"
@@ -140,7 +142,7 @@ def test_sigkill_daemon_while_throttled_then_restart_leaves_none_stopped(tmp_pat
     procs = [spawn(fakecuda, g, sm=10) for _ in range(2)]
     try:
         wait_for(lambda: None if launch_probes(d) > 0 else "no launch probe", 5, what="probes")
-        runs = [Launching(p, 400000) for p in procs]
+        runs = [Launching(p, 3000000) for p in procs]
         wait_for(lambda: None if any(state(p.pid) == "T" for p in procs) else "not throttled yet",
                  10, what="a throttle stop")
         d.proc.send_signal(signal.SIGKILL)

@@ -2,7 +2,7 @@
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from hami_bpf.throttle import LEARN_S, Budget, DeviceView, neighbours, tick
+from hami_bpf.throttle import LEARN_MAX_S, Budget, DeviceView, neighbours, tick
 
 
 def run(b, rate_fn, seconds, dt=0.05, device_fn=None, start=0.0, consumed=0):
@@ -21,7 +21,7 @@ def test_learns_full_rate_then_caps_at_the_share():
     b = Budget(cap=30)
     # queue filling: a burst in the first 0.2 s that learning must ignore
     burst = iter([10_000_000] * 4)
-    run(b, lambda: next(burst, 100_000), LEARN_S + 0.2)
+    run(b, lambda: next(burst, 100_000), LEARN_MAX_S + 0.2)
     assert not b.learning
     assert abs(b.full_rate - 100_000) / 100_000 < 0.05
     assert abs(b.rate - 30_000) / 30_000 < 0.06
@@ -29,7 +29,7 @@ def test_learns_full_rate_then_caps_at_the_share():
 
 def test_open_loop_throughput_is_cap_times_full_rate():
     b = Budget(cap=50)
-    run(b, lambda: 200_000, LEARN_S + 0.1)
+    run(b, lambda: 200_000, LEARN_MAX_S + 0.2)
     c0 = b.last_consumed
     c1, _ = run(b, lambda: 200_000, 4.0, start=b.last_t, consumed=c0)
     achieved = (c1 - c0) / 4.0
@@ -38,7 +38,7 @@ def test_open_loop_throughput_is_cap_times_full_rate():
 
 def test_alone_on_a_saturated_device_the_pace_is_the_full_rate():
     b = Budget(cap=25)
-    run(b, lambda: 50_000, LEARN_S + 0.1,
+    run(b, lambda: 50_000, LEARN_MAX_S + 0.2,
         device_fn=lambda b: DeviceView(100.0, 0.0, 0.0))
     assert not b.contended
     assert abs(b.full_rate - 50_000) / 50_000 < 0.05
@@ -49,7 +49,7 @@ def test_sharing_a_saturated_device_scales_the_pace_to_the_whole_device():
     # Two groups launching the same kernels at the same rate on a saturated
     # device each got half of it: alone, each would run twice as fast.
     b = Budget(cap=30)
-    run(b, lambda: 40_000, LEARN_S + 0.1,
+    run(b, lambda: 40_000, LEARN_MAX_S + 0.2,
         device_fn=lambda b: DeviceView(100.0, 0.0, 40_000.0))
     assert b.contended
     assert abs(b.full_rate - 80_000) / 80_000 < 0.06
@@ -59,14 +59,14 @@ def test_sharing_a_saturated_device_scales_the_pace_to_the_whole_device():
 def test_a_known_neighbours_part_is_subtracted():
     # A neighbour known to take 30% of the device: this group had 70% of it.
     b = Budget(cap=70)
-    run(b, lambda: 70_000, LEARN_S + 0.1,
+    run(b, lambda: 70_000, LEARN_MAX_S + 0.2,
         device_fn=lambda b: DeviceView(100.0, 30.0, 0.0))
     assert abs(b.full_rate - 100_000) / 100_000 < 0.06
 
 
 def test_an_unsaturated_device_means_no_contention():
     b = Budget(cap=50)
-    run(b, lambda: 10_000, LEARN_S + 0.1,
+    run(b, lambda: 10_000, LEARN_MAX_S + 0.2,
         device_fn=lambda b: DeviceView(40.0, 0.0, 10_000.0))
     assert not b.contended
     assert abs(b.full_rate - 10_000) / 10_000 < 0.05
@@ -77,7 +77,7 @@ def test_an_unsaturated_device_means_no_contention():
        others=st.floats(0, 1e7))
 def test_the_learned_rate_is_never_below_the_pace_nor_unbounded(cap, util, known, others):
     b = Budget(cap=cap)
-    run(b, lambda: 10_000, LEARN_S + 0.1,
+    run(b, lambda: 10_000, LEARN_MAX_S + 0.2,
         device_fn=lambda b: DeviceView(util, known, others))
     assert not b.learning
     assert 10_000 * 0.9 <= b.full_rate <= 10_000 * 1.1 * 100 / (100 * 0.05)
@@ -86,7 +86,7 @@ def test_the_learned_rate_is_never_below_the_pace_nor_unbounded(cap, util, known
 
 def test_idle_group_cannot_bank_a_long_burst():
     b = Budget(cap=50)
-    run(b, lambda: 100_000, LEARN_S + 0.1)
+    run(b, lambda: 100_000, LEARN_MAX_S + 0.2)
     c = b.last_consumed
     _, granted = run(b, lambda: 0, 5.0, start=b.last_t, consumed=c)
     assert granted - c <= b.rate * 0.05 + 1
@@ -144,7 +144,7 @@ def test_a_tiny_rate_still_grants_over_time():
     # Rounding each tick's grant to an integer once granted nothing at a few
     # units per second, and a held TP=2 job never resumed (H200 x2).
     b = Budget(cap=10)
-    run(b, lambda: 40, LEARN_S + 0.5)
+    run(b, lambda: 40, LEARN_MAX_S + 0.2)
     assert not b.learning and b.rate < 5
     over = b.granted + 3                 # a launch overshot the budget: held
     t = b.last_t
@@ -200,5 +200,41 @@ def test_a_host_bound_launcher_is_credited_the_probes_cost():
 
 def test_a_saturated_device_gets_no_probe_credit():
     b = Budget(cap=50, probe_s=2e-6)
-    run(b, lambda: 100_000, LEARN_S + 0.1, device_fn=lambda b: DeviceView(100.0, 0.0, 0.0))
+    run(b, lambda: 100_000, LEARN_MAX_S + 0.2, device_fn=lambda b: DeviceView(100.0, 0.0, 0.0))
     assert b.probe_share == 0.0
+
+
+def test_setting_up_is_not_learned_as_the_full_rate():
+    # A training process launches a trickle while it builds its model and
+    # optimizer, then steps at full speed (H200: a rate learned from the
+    # trickle held a capped training loop to 0.05 steps/s).
+    b = Budget(cap=50)
+    t, consumed = 0.0, 0
+    tick(b, now=t, consumed=0)
+    while t < 6.0:                         # set-up: a few launches now and then
+        t += 0.05
+        if int(t * 20) % 15 == 0:
+            consumed += 100
+        tick(b, now=t, consumed=consumed)
+    assert b.learning
+    c0 = consumed
+    while b.learning:                      # then steady stepping, no synchronize
+        t += 0.05
+        consumed += 10_000
+        tick(b, now=t, consumed=consumed)
+    assert abs(b.full_rate - 200_000) / 200_000 < 0.05, b.full_rate
+    assert consumed - c0 > 0
+
+
+def test_completions_are_preferred_as_soon_as_they_come():
+    b = Budget(cap=50)
+    t, consumed = 0.0, 0
+    tick(b, now=t, consumed=0)
+    for i in range(1, 40):                 # 2 s: launches 5000/s, completions 1000/s
+        t = i * 0.05
+        consumed += 250
+        tick(b, now=t, consumed=consumed, completed=int(1000 * t) if t > 0.3 else None)
+        if not b.learning:
+            break
+    assert not b.learning and b.by_completion
+    assert abs(b.full_rate - 1000) / 1000 < 0.1
