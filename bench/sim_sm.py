@@ -18,6 +18,7 @@ import os
 import sys
 import tempfile
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -56,7 +57,9 @@ def main() -> int:
     ap.add_argument("--caps", default="25,50,75")
     ap.add_argument("--seconds", type=int, default=6)
     ap.add_argument("--settle-ms", type=int, default=2000)
-    ap.add_argument("--pair", default="30,70", help="two groups side by side on the gpu kind; '' to skip")
+    ap.add_argument("--pair", default="70,30", help="two groups side by side on the gpu kind; '' to skip")
+    ap.add_argument("--pair-skew", type=float, default=0.0,
+                    help="start the pair's second group this many seconds after the first")
     ap.add_argument("--windows", action="store_true", help="print every window's rate")
     a = ap.parse_args()
     fake = build()
@@ -76,7 +79,9 @@ def main() -> int:
             ts = [threading.Thread(target=run_one, args=(
                 fake, sim, "gpu", f"pair{c}-{uuid.uuid4().hex[:4]}", c, a.seconds + 4,
                 a.settle_ms + 2000, res, f"gpu pair{c}")) for c in caps]
-            for t in ts:
+            for i, t in enumerate(ts):
+                if i:
+                    time.sleep(a.pair_skew)
                 t.start()
             for t in ts:
                 t.join()

@@ -951,7 +951,7 @@ class Daemon:
         share = {}
         known = {k: b for k, b in self.budgets.items() if not b.learning}
         for dev, r in rates.items():
-            share.update(neighbours(util.get(dev), r, known))
+            share.update(neighbours(util.get(dev), r, known, now))
         for group, caps in list(self.sm_caps.items()):
             g = self.table.group(group)
             if g is None:

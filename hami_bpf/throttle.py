@@ -46,6 +46,8 @@ LEARN_MAX_S = 3.0     # of launching without a synchronize: use the host-side ra
 HOST_WINDOW_S = 1.0   # the host-side rate is measured over this long
 SUSTAINED = 0.8       # ... once the group launched in every tick of this part of it
 LEARN_GIVEUP_S = 10.0  # or after this long launching, sustained or not
+LEARN_SHARED_S = 5.0  # next to a busy group: wait this long at most for a steady pace
+STEADY_TOL = 0.15
 BURST_S = 0.05
 MIN_RATE = 1.0        # cost units per second
 SATURATED = 90.0      # device utilization (percent) at which groups contend
@@ -93,6 +95,27 @@ def completion_span(b: Budget, now: float) -> tuple[float, float, float] | None:
     if len(pts) < 2 or pts[-1][0] - pts[0][0] < DONE_MIN_SPAN_S:
         return None
     return (pts[-1][1] - pts[0][1]) / (pts[-1][0] - pts[0][0]), pts[0][0], pts[-1][0]
+
+
+def _sharing(b: Budget, since: float, until: float) -> bool:
+    """Other groups launched on a saturated device during the span."""
+    xs = [x for x in b.utils if since <= x[0] <= until and x[1] is not None]
+    return bool(xs) and (sum(x[1] for x in xs) / len(xs) >= SATURATED
+                         and any(x[2] > 0 or x[4] > 0 for x in xs))
+
+
+def _steady(b: Budget, now: float) -> bool:
+    """The completion pace of the older and the newer half of the window agree."""
+    pts = [(t, c) for t, c in b.done if now - t <= DONE_WINDOW_S + 0.5]
+    if len(pts) < 3:
+        return False
+    mid = (pts[0][0] + pts[-1][0]) / 2
+    k = min(range(1, len(pts) - 1), key=lambda i: abs(pts[i][0] - mid))
+    (t0, c0), (t1, c1), (t2, c2) = pts[0], pts[k], pts[-1]
+    if t1 - t0 < 0.2 or t2 - t1 < 0.2:
+        return False
+    a, z = (c1 - c0) / (t1 - t0), (c2 - c1) / (t2 - t1)
+    return a > 0 and z > 0 and abs(a - z) / max(a, z) <= STEADY_TOL
 
 
 def completion_rate(b: Budget, now: float) -> float | None:
@@ -170,6 +193,11 @@ def tick(b: Budget, *, now: float, consumed: int, launches: int = 0, completed: 
             return b.granted
         span = completion_span(b, now)
         if span and b.done[0][0] - b.active_since >= learn_s * LEARN_FROM * 0.5:
+            if _sharing(b, span[1], span[2]) and not _steady(b, now) and active < LEARN_SHARED_S:
+                # Arriving next to another group, the first second is a
+                # transient (this group's queue fill runs ahead of the other's
+                # work, or behind it): wait until the pace holds still.
+                return b.granted
             b.by_completion = True
             return _learned(b, span[0], span[1], span[2], consumed)
         if active < LEARN_MAX_S:
@@ -209,13 +237,18 @@ class DeviceView:
     unknown_others_rate: float  # cost units/s launched by the other groups
 
 
-def neighbours(device_util: float | None, rates: dict, known: dict) -> dict:
+def neighbours(device_util: float | None, rates: dict, known: dict,
+               now: float | None = None) -> dict:
     """{key: cost rate over the last tick} of the groups on one device ->
     {key: DeviceView}. A group whose device time per unit is known (`known`:
-    {key: Budget}) takes rate x w of the device; the others' launch rates are
+    {key: Budget}) takes rate x w of the device, where its rate is what it
+    completed if it synchronizes (what it launched can run ahead of what the
+    device gives it while others contend); the others' launch rates are
     passed on, for a learning group to split what is left by cost."""
     parts = {}
     for k, r in rates.items():
+        if k in known and now is not None and known[k].by_completion:
+            r = completion_rate(known[k], now) or r
         p = known[k].device_part(r) if k in known else None
         if p is not None:
             parts[k] = 100.0 * p

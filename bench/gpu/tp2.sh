@@ -16,7 +16,7 @@ python3 bench/hami.py run --libcuda "$LIB" --group-by env:HAMI_GROUP --socket /t
 DPID=$!
 for i in $(seq 1 240); do grep -q "ready" "$OUT/daemon.log" && break; sleep 0.25; done
 port=29533
-for mode in eager graph; do
+for mode in ${MODES:-eager graph}; do
   port=$((port + 1))
   mkdir -p "$OUT/free-$mode" "$OUT/tp-$mode"
   HAMI_GROUP=free-$mode MASTER_PORT=$port timeout 120 python3 bench/gpu/tp2_churn.py --mode $mode \

@@ -87,10 +87,18 @@ def rank_main(rank: int, seconds: float, out_path: str, mode: str) -> None:
         step = body
     times = []
     t0 = time.monotonic()
-    while time.monotonic() - t0 < seconds:
+    go = torch.ones(1, device="cuda")
+    while True:
         step()
         y[0, 0].item()          # a decode step ends with a host sync
         times.append(time.monotonic())
+        if len(times) % 64 == 0:
+            # Both ranks must stop after the same step, or one waits forever
+            # in a collective the other never joins.
+            go.fill_(1.0 if time.monotonic() - t0 < seconds else 0.0)
+            dist.all_reduce(go, op=dist.ReduceOp.MIN)
+            if go.item() == 0.0:
+                break
     reserved = torch.cuda.memory_reserved()
     from hami_bpf.server import fetch_snapshot
     snap = fetch_snapshot(os.environ["HAMI_SOCK"])
