@@ -152,3 +152,33 @@ def test_lending_low_priority_runs_free_until_high_priority_is_busy(tmp_path, si
         for p in (high, low):
             p.close()
         finish_daemon(d)
+
+
+def test_a_group_arriving_next_to_a_throttled_one_learns_the_whole_device(tmp_path, sim):
+    # The 30% group runs alone first and is throttled; the 70% group arrives
+    # 1.5 s later and learns while sharing the device. Once both have learned,
+    # each holds its share (during the newcomer's learning the first is squeezed).
+    fake = build(tmp_path / "lib")
+    d = Daemon(fake, extra=["--sm-limits"]).start()
+    try:
+        first = gpu_proc(fake, sim, f"early30-{uuid.uuid4().hex[:6]}", sm=30)
+        late = gpu_proc(fake, sim, f"late70-{uuid.uuid4().hex[:6]}", sm=70)
+        got: dict[str, float] = {}
+        ta = threading.Thread(target=lambda: got.__setitem__("30", bench(first, 13, 7000)))
+        tb = threading.Thread(target=lambda: got.__setitem__("70", bench(late, 11, 5500)))
+        try:
+            ta.start()
+            time.sleep(1.5)
+            tb.start()
+            ta.join(120)
+            tb.join(120)
+        finally:
+            first.close()
+            late.close()
+        learned = [e["message"] for e in query(d.socket, "events", since=0)["events"]
+                   if "learned" in e["message"]]
+        assert len(got) == 2
+        assert abs(got["30"] - 30) <= TOLERANCE and abs(got["70"] - 70) <= TOLERANCE, \
+            f"{got}\n" + "\n".join(learned)
+    finally:
+        finish_daemon(d)
