@@ -107,8 +107,9 @@ def rank_main(rank: int, seconds: float, out_path: str, mode: str) -> None:
     with open(out_path, "w") as f:
         json.dump({"rank": rank, "pid": os.getpid(), "times": times, "reserved": reserved,
                    "hami_used": used, "mode": mode, "graph_error": graph_error}, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    # Both ranks stopped after the same step; tearing NCCL down after a graph
+    # capture hung on the H200 x2 (2026-11-29), and nothing needs it here.
+    os._exit(0)
 
 
 def main():
@@ -128,6 +129,12 @@ def main():
         rank_main(a.rank, a.seconds, os.path.join(a.out, f"rank{a.rank}.json"), a.mode)
         return
     env = dict(os.environ, HAMI_SOCK=a.socket)
+    # Members that join before the ranks hold the group's first slots; killing
+    # them later moves the ranks' slots down (the move the reported failure needed).
+    early = [] if a.no_churn else [
+        subprocess.Popen([sys.executable, __file__, "--churner", "hang"], env=env,
+                         stderr=subprocess.DEVNULL) for _ in range(3)]
+    time.sleep(0 if a.no_churn else 5)
     ranks = [subprocess.Popen([sys.executable, __file__, "--rank", str(r), "--seconds", str(a.seconds),
                                "--out", a.out, "--mode", a.mode], env=env) for r in (0, 1)]
     from hami_bpf.server import fetch_snapshot
@@ -147,6 +154,10 @@ def main():
         for p, mode, t in kids:
             if mode == "kill" and p.poll() is None and time.monotonic() - t > 0.6:
                 p.send_signal(signal.SIGKILL)
+        if early and time.monotonic() - started > 6:
+            for p in early:
+                p.send_signal(signal.SIGKILL)
+            early = []
         try:
             snap = fetch_snapshot(a.socket)
             polls += 1
