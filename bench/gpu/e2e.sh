@@ -5,34 +5,16 @@
 # SM cap (50); and, in one process, allocation + launch host time with no
 # daemon, with the daemon (memory cap in force), and with no daemon again.
 # Usage: bash bench/gpu/e2e.sh ; results in $OUT (e2e.jsonl, alloc.jsonl)
-set -u
-OUT=${OUT:-$PWD/bench-out}; mkdir -p "$OUT"
-bash .device/setup-bcc.sh .debs > "$OUT/setup.log" 2>&1 || { cat "$OUT/setup.log"; exit 1; }
-. /tmp/bccroot/env.sh
-LIB=$(ls /usr/local/nvidia/lib64/libcuda.so.*.* | head -1)
-H="python3 bench/hami.py"
+. bench/gpu/prelude.sh
 E="$OUT/e2e.jsonl"; : > "$E"
-start_daemon() {
-  : > "$OUT/daemon.log"
-  $H run --libcuda "$LIB" --group-by env:HAMI_GROUP --socket /tmp/h.sock --state-dir /tmp/hs \
-      --sm-limits > /dev/null 2>> "$OUT/daemon.log" &
-  DPID=$!
-  for i in $(seq 1 240); do grep -q "ready" "$OUT/daemon.log" && break; sleep 0.25; done
-}
-stop_daemon() { kill -TERM $DPID; wait $DPID; echo "daemon exit $?"; }
 # Same process: allocation and launch host time, no daemon / daemon / no daemon.
 mkdir -p "$OUT/ph"
 HAMI_GROUP=alloc CUDA_DEVICE_MEMORY_LIMIT=64g python3 bench/gpu/launch_cost.py \
     --phases nodaemon,daemon,nodaemon2 --dir "$OUT/ph" > "$OUT/alloc.jsonl" &
 L=$!
-phase() {
-  touch "$OUT/ph/go-$1"
-  for i in $(seq 1 600); do [ -e "$OUT/ph/done-$1" ] && return; sleep 0.1; done
-  echo "phase $1 timed out"
-}
 sleep 10
 phase nodaemon
-start_daemon
+start_daemon --sm-limits
 sleep 1
 phase daemon
 stop_daemon
@@ -42,7 +24,7 @@ cat "$OUT/alloc.jsonl"
 for kind in train infer; do
   HAMI_GROUP=bare-$kind python3 bench/gpu/e2e.py $kind --label bare | tee -a "$E"
 done
-start_daemon
+start_daemon --sm-limits
 for kind in train infer; do
   HAMI_GROUP=obs-$kind python3 bench/gpu/e2e.py $kind --label observed | tee -a "$E"
   HAMI_GROUP=mem-$kind CUDA_DEVICE_MEMORY_LIMIT=32g python3 bench/gpu/e2e.py $kind --label memcap32g | tee -a "$E"

@@ -4,18 +4,10 @@
 #   two groups at 30/70 side by side (matmul, then small kernels);
 #   host time per launch: no probe vs launch probes attached (same process).
 # Usage: bash bench/gpu/sm_bench.sh ; results in $OUT (sm.jsonl, launch.jsonl, daemon.log)
-set -u
-OUT=${OUT:-$PWD/bench-out}; mkdir -p "$OUT"
-bash .device/setup-bcc.sh .debs > "$OUT/setup.log" 2>&1 || { cat "$OUT/setup.log"; exit 1; }
-. /tmp/bccroot/env.sh
-LIB=$(ls /usr/local/nvidia/lib64/libcuda.so.*.* | head -1)
-H="python3 bench/hami.py"
+. bench/gpu/prelude.sh
 R="$OUT/sm.jsonl"; : > "$R"
 t0=$(date +%s)
-$H run --libcuda "$LIB" --group-by env:HAMI_GROUP --socket /tmp/h.sock --state-dir /tmp/hs \
-    --sm-limits -v > /dev/null 2>> "$OUT/daemon.log" &
-DPID=$!
-for i in $(seq 1 240); do grep -q "ready" "$OUT/daemon.log" && break; sleep 0.25; done
+start_daemon --sm-limits -v
 echo "daemon ready after $(( $(date +%s) - t0 )) s: $(grep -m1 'launch_probe_cost\|probe' "$OUT/daemon.log" | head -1)"
 W=bench/gpu/sm_workload.py
 for kind in matmul small graph; do
@@ -36,11 +28,6 @@ done
 echo "== host time per launch, one process: no probe, then launch probes attached"
 python3 bench/gpu/launch_cost.py --phases noprobe,probed,noprobe2 --dir "$OUT/ph" > "$OUT/launch.jsonl" &
 L=$!
-phase() {   # phase NAME: let the process measure, wait until it has
-  touch "$OUT/ph/go-$1"
-  for i in $(seq 1 600); do [ -e "$OUT/ph/done-$1" ] && return; sleep 0.1; done
-  echo "phase $1 timed out"
-}
 mkdir -p "$OUT/ph"; sleep 8
 phase noprobe
 HAMI_GROUP=keeper CUDA_DEVICE_SM_LIMIT=50 python3 -c "import torch,time; torch.zeros(1,device='cuda'); time.sleep(3600)" &

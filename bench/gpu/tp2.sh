@@ -5,16 +5,9 @@
 # reference rate), then in group `tp` with a 40 GiB memory cap and
 # CUDA_DEVICE_SM_LIMIT=50 while other members of `tp` start and exit
 # (clean, SIGKILL, crash). See tp2_churn.py for what is recorded.
-set -u
-OUT=${OUT:-$PWD/bench-out}; mkdir -p "$OUT"
-bash .device/setup-bcc.sh .debs > "$OUT/setup.log" 2>&1 || { cat "$OUT/setup.log"; exit 1; }
-. /tmp/bccroot/env.sh
-LIB=$(ls /usr/local/nvidia/lib64/libcuda.so.*.* | head -1)
+. bench/gpu/prelude.sh
 nvidia-smi -L
-python3 bench/hami.py run --libcuda "$LIB" --group-by env:HAMI_GROUP --socket /tmp/h.sock \
-    --state-dir /tmp/hs --sm-limits > /dev/null 2> "$OUT/daemon.log" &
-DPID=$!
-for i in $(seq 1 240); do grep -q "ready" "$OUT/daemon.log" && break; sleep 0.25; done
+start_daemon --sm-limits -v
 port=29533
 for mode in ${MODES:-eager graph}; do
   port=$((port + 1))
