@@ -79,6 +79,10 @@ def render_processes(processes: Sequence[ProcessInfo], devices: Sequence[int] | 
 def render_group(g: GroupInfo) -> RenderableType:
     """Header lines (not a table title: titles wrap to the narrow table width)."""
     extra = f", sm_limit {g.sm_limit}%" if g.sm_limit is not None else ""
+    if g.sm_lending:
+        extra += f" (lending: above it on GPU{','.join(map(str, g.sm_lending))})"
+    if g.priority != 1:
+        extra += f", priority {g.priority}"
     denied = f", denied {g.denied}" if g.denied else ""
     head = Text(f"group {g.id} (index {g.index}): proc_num {g.proc_num}{extra}{denied}",
                 style="bold")

@@ -1278,7 +1278,9 @@ class Daemon:
             groups.append(GroupInfo(id=g.name, index=g.index, proc_num=g.proc_num,
                                     slots=tuple(SlotInfo(i, k.pid, k.start_time) for i, k in enumerate(g.slots)),
                                     devices=devs, denied=denied_by_group.get(g.index, 0),
-                                    sm_limit=min(self.sm_caps[g.name].values()) if self.sm_caps.get(g.name) else None))
+                                    sm_limit=min(self.sm_caps[g.name].values()) if self.sm_caps.get(g.name) else None,
+                                    priority=self.sched.get(g.name, (HAMI_DEFAULT_PRIORITY, ""))[0],
+                                    sm_lending=tuple(sorted(d for gi, d in self.lending if gi == g.index))))
         counters = dict(self.table.stats)
         counters.update(self.counters)
         if self.probes:

@@ -157,9 +157,12 @@ class GroupInfo:
     devices: Mapping[int, DeviceUsage]  # group totals and group limits
     denied: int = 0
     sm_limit: int | None = None   # percent, None = unlimited
+    priority: int = 1             # HAMi's CUDA_TASK_PRIORITY: smaller is higher
+    sm_lending: tuple[int, ...] = ()   # devices where it may now exceed its SM cap
 
     def __post_init__(self) -> None:
         _set(self, "slots", tuple(self.slots))
+        _set(self, "sm_lending", tuple(self.sm_lending))
         _freeze_devices(self)
 
     def to_json(self) -> dict:
@@ -168,6 +171,7 @@ class GroupInfo:
             "slots": [s.to_json() for s in self.slots],
             "devices": _devices_json(self.devices),
             "denied": self.denied, "sm_limit": self.sm_limit,
+            "priority": self.priority, "sm_lending": list(self.sm_lending),
         }
 
     @classmethod
@@ -175,7 +179,9 @@ class GroupInfo:
         return cls(id=str(d["id"]), index=int(d.get("index", 0)), proc_num=int(d["proc_num"]),
                    slots=tuple(SlotInfo.from_json(s) for s in d.get("slots", ())),
                    devices=_devices_from_json(d.get("devices", {})),
-                   denied=int(d.get("denied", 0)), sm_limit=d.get("sm_limit"))
+                   denied=int(d.get("denied", 0)), sm_limit=d.get("sm_limit"),
+                   priority=int(d.get("priority", 1)),
+                   sm_lending=tuple(int(x) for x in d.get("sm_lending", ())))
 
 
 @dataclass(frozen=True)

@@ -130,9 +130,12 @@ class Sampler:
 def test_lending_low_priority_runs_free_until_high_priority_is_busy(tmp_path, sim):
     fake = build(tmp_path / "lib")
     d = Daemon(fake, extra=["--sm-limits", "--sm-lend-idle"]).start()
-    high = gpu_proc(fake, sim, f"high-{uuid.uuid4().hex[:6]}", CUDA_TASK_PRIORITY="0")
-    low = gpu_proc(fake, sim, f"low-{uuid.uuid4().hex[:6]}", sm=20, CUDA_TASK_PRIORITY="1")
+    high_group, low_group = f"high-{uuid.uuid4().hex[:6]}", f"low-{uuid.uuid4().hex[:6]}"
+    high = gpu_proc(fake, sim, high_group, CUDA_TASK_PRIORITY="0")
+    low = gpu_proc(fake, sim, low_group, sm=20, CUDA_TASK_PRIORITY="1")
     try:
+        groups = {g["id"]: g for g in d.snapshot()["groups"]}
+        assert groups[low_group]["priority"] == 1 and groups[high_group]["priority"] == 0
         # High priority registered but idle: the low group uses what is free.
         alone = Sampler(low, "bench launch 1000 4 2000")
         states = alone.run()
