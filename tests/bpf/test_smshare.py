@@ -20,7 +20,7 @@ import pytest
 
 from hami_bpf.fakecuda import CudaProc, FakeCudaError, build
 from hami_bpf.server import query
-from helpers import Daemon, finish_daemon
+from helpers import Daemon, finish_daemon, wait_for
 
 pytestmark = pytest.mark.bpf
 
@@ -134,6 +134,11 @@ def test_lending_low_priority_runs_free_until_high_priority_is_busy(tmp_path, si
     high = gpu_proc(fake, sim, high_group, CUDA_TASK_PRIORITY="0")
     low = gpu_proc(fake, sim, low_group, sm=20, CUDA_TASK_PRIORITY="1")
     try:
+        def both_listed():
+            groups = {g["id"]: g for g in d.snapshot()["groups"]}
+            return None if {low_group, high_group} <= set(groups) else f"groups: {sorted(groups)}"
+
+        wait_for(both_listed, 5, what="both groups in the snapshot")
         groups = {g["id"]: g for g in d.snapshot()["groups"]}
         assert groups[low_group]["priority"] == 1 and groups[high_group]["priority"] == 0
         # High priority registered but idle: the low group uses what is free.
