@@ -24,7 +24,6 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
-#include <signal.h>
 #include <sys/mman.h>
 #include <unistd.h>
 #include <stdint.h>
@@ -343,24 +342,21 @@ static void stack_remove(struct CUctx_st *ctx)
     t_depth = j;
 }
 
-static void count_launch(void)
-{
-    __atomic_add_fetch(&g_launches, 1, __ATOMIC_RELAXED);
-    if (g_launch_ns) {
-        struct timespec t0, t;
-        clock_gettime(CLOCK_MONOTONIC, &t0);
-        do {
-            clock_gettime(CLOCK_MONOTONIC, &t);
-        } while ((unsigned long long)(t.tv_sec - t0.tv_sec) * 1000000000ULL +
-                     (unsigned long long)(t.tv_nsec - t0.tv_nsec) < g_launch_ns);
-    }
-}
-
 static unsigned long long mono_ns(void)
 {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return (unsigned long long)t.tv_sec * 1000000000ULL + (unsigned long long)t.tv_nsec;
+}
+
+static void count_launch(void)
+{
+    __atomic_add_fetch(&g_launches, 1, __ATOMIC_RELAXED);
+    if (g_launch_ns) {
+        unsigned long long t0 = mono_ns();
+        while (mono_ns() - t0 < g_launch_ns)
+            ;
+    }
 }
 
 static void sleep_until_ns(unsigned long long when)
