@@ -29,7 +29,7 @@ from .limits import (HAMI_DEFAULT_PRIORITY, EnvLimits, PolicyError, effective_li
                      visible_to_physical)
 from .metrics import observe_exit_latency
 from .slots import SlotTable
-from .throttle import BUSY_S, Budget, held_to_cap, neighbours, tick as budget_tick
+from .throttle import BUSY_S, UNLIMITED, Budget, held_to_cap, neighbours, tick as budget_tick
 from .snapshot import (SCHEMA_VERSION, DeviceInfo, DeviceUsage, EventRecord, GroupInfo, ProcessInfo,
                        SlotInfo, Snapshot)
 
@@ -899,6 +899,10 @@ class Daemon:
                 self.record("limit", f"group {group!r} device {dev}: limit {new} bytes",
                             group=group, device=dev, limit=new)
 
+    def _sched(self, group: str) -> tuple[int, str]:
+        """(priority, utilization policy) of a group; HAMi's defaults if unset."""
+        return self.sched.get(group, (HAMI_DEFAULT_PRIORITY, "default"))
+
     def _apply_sm_cap(self, group: str, dev: int, sm: int | None) -> None:
         """Like memory: a member can lower its group's SM cap, never raise it."""
         if sm is None or sm <= 0 or sm >= 100:
@@ -945,13 +949,19 @@ class Daemon:
                 if consumed > prev[1]:
                     self._last_busy[key] = now
             self._prev_use[key] = (now, consumed)
-        prio_of = {g.index: self.sched.get(g.name, (HAMI_DEFAULT_PRIORITY, "default"))[0]
+        prio_of = {g.index: self._sched(g.name)[0]
                    for g in self.table.groups()} if self.cfg.sm_lend_idle else {}
-        util = self.devices.utilization() if self.devices.has_utilization else {}
+        # Only a budget still learning reads the device (a new one learns too):
+        # no NVML call per tick once every capped group has its rate.
+        learning = any(b.learning for b in self.budgets.values()) or any(
+            (g.index, dev) not in self.budgets for name, caps in self.sm_caps.items()
+            if (g := self.table.group(name)) is not None for dev in caps)
         share = {}
-        known = {k: b for k, b in self.budgets.items() if not b.learning}
-        for dev, r in rates.items():
-            share.update(neighbours(util.get(dev), r, known, now))
+        if learning:
+            util = self.devices.utilization() if self.devices.has_utilization else {}
+            known = {k: b for k, b in self.budgets.items() if not b.learning}
+            for dev, r in rates.items():
+                share.update(neighbours(util.get(dev), r, known, now))
         for group, caps in list(self.sm_caps.items()):
             g = self.table.group(group)
             if g is None:
@@ -979,10 +989,9 @@ class Daemon:
                     others = [(prio_of.get(k[0], HAMI_DEFAULT_PRIORITY),
                                now - self._last_busy.get(k, -1e9) <= BUSY_S)
                               for k in use if k[1] == dev and k[0] != g.index]
-                    held = held_to_cap(*self.sched.get(group, (HAMI_DEFAULT_PRIORITY, "default")),
-                                       True, others)
+                    held = held_to_cap(*self._sched(group), True, others)
                     if not held:
-                        granted = max(granted, consumed + (1 << 40))
+                        granted = max(granted, consumed + UNLIMITED)
                     if held == (key in self.lending):
                         (self.lending.discard if held else self.lending.add)(key)
                         self.record("throttle", f"group {group!r} device {dev}: "
@@ -1123,17 +1132,15 @@ class Daemon:
                 self.probes.delete_group(a.index)
                 self._sm_unenforced.discard(a.name)
                 self.sched.pop(a.name, None)
-                for key in [k for k in self._last_busy if k[0] == a.index]:
-                    del self._last_busy[key]
-                self.lending = {k for k in self.lending if k[0] != a.index}
                 self.last_throttled.pop(a.name, None)
-                for key in [k for k in self.sm_share if k[0] == a.index]:
-                    del self.sm_share[key]
                 self.throttled.pop(a.name, None)
                 self.throttle_since.pop(a.name, None)
-                for key in [k for k in self.budgets if k[0] == a.index]:
-                    del self.budgets[key]
-                    self._prev_use.pop(key, None)
+                # Everything kept per (group index, device): the index is reused.
+                for per_key in (self.budgets, self._prev_use, self.sm_share, self._last_busy,
+                                self._budget_logged):
+                    for key in [k for k in per_key if k[0] == a.index]:
+                        del per_key[key]
+                self.lending = {k for k in self.lending if k[0] != a.index}
                 if self.sm_caps.pop(a.name, None):
                     self._sync_launch_probes()
                 if self.cfg.hami_regions:
@@ -1279,7 +1286,7 @@ class Daemon:
                                     slots=tuple(SlotInfo(i, k.pid, k.start_time) for i, k in enumerate(g.slots)),
                                     devices=devs, denied=denied_by_group.get(g.index, 0),
                                     sm_limit=min(self.sm_caps[g.name].values()) if self.sm_caps.get(g.name) else None,
-                                    priority=self.sched.get(g.name, (HAMI_DEFAULT_PRIORITY, ""))[0],
+                                    priority=self._sched(g.name)[0],
                                     sm_lending=tuple(sorted(d for gi, d in self.lending if gi == g.index))))
         counters = dict(self.table.stats)
         counters.update(self.counters)

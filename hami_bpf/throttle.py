@@ -11,7 +11,7 @@ simulated GPU, bench/sim_sm.py; docs/benchmarks.md):
 1. Learn the full rate F. A new (group, device) runs unthrottled. The host
    can queue a second or more of GPU work before the driver pushes back, so
    the host's early launch rate says nothing about the GPU. Where the
-   workload synchronizes (cuStreamSynchronize, cuCtxSynchronize,
+   workload synchronizes (cuStreamSynchronize, cuCtxSynchronize[_v2],
    cuEventSynchronize: PyTorch does at every .item(), .cpu() and
    torch.cuda.synchronize()), the probes report `completed`: cost known done
    on the GPU, whose rate is the GPU's real pace. Without synchronizations,
@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 LEARN_S = 1.0         # at least this long unthrottled
 LEARN_FROM = 0.4      # fraction of the learning window ignored (queue filling)
@@ -50,11 +51,22 @@ LEARN_SHARED_S = 5.0  # next to a busy group: wait this long at most for a stead
 STEADY_TOL = 0.15
 BURST_S = 0.05
 MIN_RATE = 1.0        # cost units per second
+UNLIMITED = 1 << 40   # a grant this far above consumption never stops a launch
 SATURATED = 90.0      # device utilization (percent) at which groups contend
 MIN_PART = 0.05       # a group's part of a saturated device is at least this
 
 DONE_WINDOW_S = 1.0   # completion rate is measured over about this long
 DONE_MIN_SPAN_S = 0.4
+
+
+class Sample(NamedTuple):
+    """One tick while learning."""
+    t: float
+    util: float | None          # device utilization, percent
+    known_others: float         # percent of it taken by neighbours whose w is known
+    rate: float                 # this group's launched cost per second
+    others_rate: float          # the other neighbours' launched cost per second
+    launches: int               # this group's launches so far
 
 
 @dataclass
@@ -76,7 +88,7 @@ class Budget:
     last_consumed: int = 0
     credit: float | None = None     # granted, unrounded
     last_share: float | None = None  # achieved, percent of F (smoothed)
-    utils: list = field(default_factory=list)   # per tick while learning: see _learned
+    utils: list = field(default_factory=list)   # Sample per tick while learning
     done: list = field(default_factory=list)    # (time, completed) when completed advanced
     by_completion: bool = False     # the pace came from completions (the GPU's)
 
@@ -89,9 +101,13 @@ class Budget:
         return None if self.work_per_unit is None else rate * self.work_per_unit
 
 
+def _recent_done(b: Budget, now: float) -> list[tuple[float, int]]:
+    return [(t, c) for t, c in b.done if now - t <= DONE_WINDOW_S + 0.5]
+
+
 def completion_span(b: Budget, now: float) -> tuple[float, float, float] | None:
     """(rate, from, to): the completion rate over the recent completions."""
-    pts = [(t, c) for t, c in b.done if now - t <= DONE_WINDOW_S + 0.5]
+    pts = _recent_done(b, now)
     if len(pts) < 2 or pts[-1][0] - pts[0][0] < DONE_MIN_SPAN_S:
         return None
     return (pts[-1][1] - pts[0][1]) / (pts[-1][0] - pts[0][0]), pts[0][0], pts[-1][0]
@@ -99,14 +115,14 @@ def completion_span(b: Budget, now: float) -> tuple[float, float, float] | None:
 
 def _sharing(b: Budget, since: float, until: float) -> bool:
     """Other groups launched on a saturated device during the span."""
-    xs = [x for x in b.utils if since <= x[0] <= until and x[1] is not None]
-    return bool(xs) and (sum(x[1] for x in xs) / len(xs) >= SATURATED
-                         and any(x[2] > 0 or x[4] > 0 for x in xs))
+    xs = [x for x in b.utils if since <= x.t <= until and x.util is not None]
+    return bool(xs) and (sum(x.util for x in xs) / len(xs) >= SATURATED
+                         and any(x.known_others > 0 or x.others_rate > 0 for x in xs))
 
 
 def _steady(b: Budget, now: float) -> bool:
     """The completion pace of the older and the newer half of the window agree."""
-    pts = [(t, c) for t, c in b.done if now - t <= DONE_WINDOW_S + 0.5]
+    pts = _recent_done(b, now)
     if len(pts) < 3:
         return False
     mid = (pts[0][0] + pts[-1][0]) / 2
@@ -126,17 +142,17 @@ def completion_rate(b: Budget, now: float) -> float | None:
 def _learned(b: Budget, pace: float, since: float, until: float, consumed: int) -> int:
     """End learning with the unthrottled `pace` measured from `since` to
     `until`; the device's utilization is split over the same span."""
-    samples = [x for x in b.utils if since < x[0] <= until and x[1] is not None]
+    samples = [x for x in b.utils if since < x.t <= until and x.util is not None]
     b.pace = pace
     b.full_rate = pace
     if samples and pace > 0:
         # Over the window, not per tick: launches run ahead of the GPU by the
         # launch queue, so a tick's launches say little about that tick's busy time.
         n = len(samples)
-        ud = sum(x[1] for x in samples) / n
-        known = sum(x[2] for x in samples) / n
-        mine = sum(x[3] for x in samples)
-        theirs = sum(x[4] for x in samples)
+        ud = sum(x.util for x in samples) / n
+        known = sum(x.known_others for x in samples) / n
+        mine = sum(x.rate for x in samples)
+        theirs = sum(x.others_rate for x in samples)
         left = max(0.0, ud - known)
         ug = left * mine / (mine + theirs) if mine + theirs > 0 else left
         part = max(ug, MIN_PART * 100.0)
@@ -149,7 +165,7 @@ def _learned(b: Budget, pace: float, since: float, until: float, consumed: int) 
             # and the probe's trap took part of each launch. Without probes
             # (uncapped) it would run that much faster; caps are shares of that.
             first, last = samples[0], samples[-1]
-            lr = (last[5] - first[5]) / (last[0] - first[0]) if last[0] > first[0] else 0.0
+            lr = (last.launches - first.launches) / (last.t - first.t) if last.t > first.t else 0.0
             b.probe_share = min(0.5, lr * b.probe_s)
             b.full_rate = pace / (1.0 - b.probe_share)
     b.rate = max(MIN_RATE, b.cap / 100.0 * b.full_rate)
@@ -166,11 +182,11 @@ def tick(b: Budget, *, now: float, consumed: int, launches: int = 0, completed: 
     (`device`, from neighbours()); return the new `granted`."""
     if completed is not None and (not b.done or completed > b.done[-1][1]):
         b.done.append((now, completed))
-        b.done = [(t, c) for t, c in b.done if now - t <= DONE_WINDOW_S + 0.5]
+        b.done = _recent_done(b, now)
     if b.started is None:
         b.started = b.last_t = now
         b.last_consumed = b.start_consumed = consumed
-        b.granted = max(b.granted, consumed + (1 << 40))   # unthrottled while learning
+        b.granted = max(b.granted, consumed + UNLIMITED)   # unthrottled while learning
         return b.granted
     dt = now - b.last_t
     if dt <= 0:
@@ -185,8 +201,8 @@ def tick(b: Budget, *, now: float, consumed: int, launches: int = 0, completed: 
             b.active_since = now - dt
         active = now - b.active_since
         if device is not None:
-            b.utils.append((now, device.util, device.known_others, rate_seen,
-                            device.unknown_others_rate, launches))
+            b.utils.append(Sample(now, device.util, device.known_others, rate_seen,
+                                  device.unknown_others_rate, launches))
         b.ticks.append((now, consumed))
         b.ticks = [(t, c) for t, c in b.ticks if now - t <= HOST_WINDOW_S]
         if active < learn_s * LEARN_FROM:
