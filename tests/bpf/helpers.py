@@ -21,6 +21,7 @@ import signal
 import subprocess
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
 
@@ -44,6 +45,11 @@ def hami_bpf_bin() -> str:
     if found:
         return found
     return venv  # let the caller fail with a clear "not found"
+
+
+def gname(prefix: str) -> str:
+    """A group name no other test (or earlier run) uses."""
+    return f"{prefix}-{uuid.uuid4().hex[:6]}"
 
 
 def no_core_dumps() -> None:

@@ -14,22 +14,17 @@ import signal
 import subprocess
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 import pytest
 
-from helpers import (Daemon, Tracked, converge, finish_daemon, hami_bpf_bin, stopped_pids,
+from helpers import (Daemon, Tracked, converge, finish_daemon, gname, hami_bpf_bin, stopped_pids,
                      wait_for, wait_registered)
 
 pytestmark = pytest.mark.bpf
 
 MiB = 1 << 20
 OOM = 2  # CUDA_ERROR_OUT_OF_MEMORY
-
-
-def gname(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:6]}"
 
 
 def write_policy(path: Path, text: str, mode: int = 0o600, uid: int = 0) -> Path:

@@ -12,7 +12,6 @@ import os
 import random
 import signal
 import subprocess
-import uuid
 
 import pytest
 
@@ -22,6 +21,7 @@ from helpers import (
     accounting_problems,
     converge,
     finish_daemon,
+    gname,
     hami_bpf_bin,
     kill_and_time_removal,
     machine_loaded,
@@ -32,10 +32,6 @@ pytestmark = pytest.mark.bpf
 
 MiB = 1 << 20
 EXIT_LATENCY = 0.1  # seconds from a process's death to a contiguous table without it
-
-
-def gname(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:6]}"
 
 
 @pytest.fixture(scope="module")

@@ -14,16 +14,13 @@ import uuid
 import pytest
 
 from hami_bpf.hami_region import decode_region
-from helpers import Daemon, DaemonError, Tracked, converge, finish_daemon, wait_for, write_policy
+from helpers import (Daemon, DaemonError, Tracked, converge, finish_daemon, gname, wait_for,
+                     write_policy)
 
 pytestmark = pytest.mark.bpf
 
 MiB = 1 << 20
 LIMIT = 256 * MiB
-
-
-def lname(prefix: str = "limR") -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:6]}"
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +68,7 @@ def _mismatch(path, ps, group_limits):
 
 
 def test_region_follows_the_group(daemon, fakecuda, regions):
-    group = lname()
+    group = gname("limR")
     path = regions / group / "hami-bpf.cache"
     t = Tracked.spawn(fakecuda, group)
     u = Tracked.spawn(fakecuda, group)

@@ -11,17 +11,14 @@ import uuid
 
 import pytest
 
-from helpers import Daemon, Tracked, converge, finish_daemon, wait_for, wait_registered, write_policy
+from helpers import (Daemon, Tracked, converge, finish_daemon, gname, wait_for, wait_registered,
+                     write_policy)
 
 pytestmark = pytest.mark.bpf
 
 MiB = 1 << 20
 LIMIT = 64 * MiB
 OOM = 2  # CUDA_ERROR_OUT_OF_MEMORY
-
-
-def lname(prefix: str = "limA") -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:6]}"
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +44,7 @@ def _group(snap, pid):
 
 
 def test_limit_shows_in_ps(daemon, fakecuda):
-    with Tracked.spawn(fakecuda, lname()) as t, Tracked.spawn(fakecuda, "free-" + uuid.uuid4().hex[:6]) as u:
+    with Tracked.spawn(fakecuda, gname("limA")) as t, Tracked.spawn(fakecuda, "free-" + uuid.uuid4().hex[:6]) as u:
         t.alloc("alloc 1M", 0)
         u.alloc("alloc 1M", 0)
         snap = converge(daemon, [t, u])
@@ -57,7 +54,7 @@ def test_limit_shows_in_ps(daemon, fakecuda):
 
 
 def test_allocations_up_to_limit_then_oom_and_recover(daemon, fakecuda):
-    with Tracked.spawn(fakecuda, lname()) as t:
+    with Tracked.spawn(fakecuda, gname("limA")) as t:
         wait_registered(daemon, [t])   # the start-up window has its own test below
         ids = [t.alloc("alloc 16M", 0)[1] for _ in range(3)]
         t.alloc("allocasync 8M", 0)
@@ -88,7 +85,7 @@ def test_allocations_up_to_limit_then_oom_and_recover(daemon, fakecuda):
 
 
 def test_denied_calls_are_counted(daemon, fakecuda):
-    with Tracked.spawn(fakecuda, lname()) as t:
+    with Tracked.spawn(fakecuda, gname("limA")) as t:
         wait_registered(daemon, [t])
         t.alloc(f"alloc {LIMIT}", 0)
         for _ in range(3):
@@ -102,7 +99,7 @@ def test_limit_applies_from_the_first_allocation(daemon, fakecuda):
     """A real workload allocates right after cuInit: no window where the
     group's limit does not hold yet."""
     for _ in range(3):
-        with Tracked.spawn(fakecuda, lname()) as t:   # no wait for registration
+        with Tracked.spawn(fakecuda, gname("limA")) as t:   # no wait for registration
             t.alloc(f"alloc {LIMIT}", 0)
             rc, _ = t.alloc("alloc 4096", 0, expect_rc=None)
             snap = converge(daemon, [t])
@@ -111,7 +108,7 @@ def test_limit_applies_from_the_first_allocation(daemon, fakecuda):
 
 
 def test_racing_processes_never_exceed_limit(daemon, fakecuda):
-    g = lname("limR")
+    g = gname("limR")
     size = 4 * MiB
     fits = LIMIT // size
     with Tracked.spawn(fakecuda, g) as a, Tracked.spawn(fakecuda, g) as b:
@@ -140,7 +137,7 @@ def test_racing_processes_never_exceed_limit(daemon, fakecuda):
 
 
 def test_meminfo_reports_the_limit(daemon, fakecuda):
-    with Tracked.spawn(fakecuda, lname()) as t:
+    with Tracked.spawn(fakecuda, gname("limA")) as t:
         converge(daemon, [t])
         rc, free, total = t.proc.meminfo()
         assert (rc, total, free) == (0, LIMIT, LIMIT)
@@ -158,7 +155,7 @@ def test_meminfo_reports_the_limit(daemon, fakecuda):
 def test_nvml_memory_query_reports_the_limit(daemon, fakecuda, cmd):
     """What nvidia-smi inside the workload asks (nvmlDeviceGetMemoryInfo and
     _v2, through a dlopen'ed libnvidia-ml): the group's limit as total."""
-    with Tracked.spawn(fakecuda, lname()) as t, Tracked.spawn(fakecuda, "free-" + uuid.uuid4().hex[:6]) as u:
+    with Tracked.spawn(fakecuda, gname("limA")) as t, Tracked.spawn(fakecuda, "free-" + uuid.uuid4().hex[:6]) as u:
         t.alloc("alloc 10M", 0)
         converge(daemon, [t, u])
         r = t.cmd(f"{cmd} 0")

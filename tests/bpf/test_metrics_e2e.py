@@ -7,20 +7,15 @@ from __future__ import annotations
 import json
 import socket
 import urllib.request
-import uuid
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from helpers import Daemon, Tracked, converge, finish_daemon, wait_for, wait_registered
+from helpers import Daemon, Tracked, converge, finish_daemon, gname, wait_for, wait_registered
 
 pytestmark = pytest.mark.bpf
 
 MiB = 1 << 20
-
-
-def gname(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:6]}"
 
 
 def free_port() -> int:

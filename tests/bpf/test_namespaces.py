@@ -23,7 +23,6 @@ import shutil
 import signal
 import subprocess
 import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -31,7 +30,7 @@ import pytest
 from hami_bpf import containers, enforce, libcuda
 from hami_bpf.fakecuda import CudaProc, FakeCuda
 
-from helpers import (GROUP_ENV, Daemon, Tracked, converge, finish_daemon, no_core_dumps,
+from helpers import (GROUP_ENV, Daemon, Tracked, converge, finish_daemon, gname, no_core_dumps,
                      wait_for, wait_registered)
 
 pytestmark = pytest.mark.bpf
@@ -122,10 +121,6 @@ def wait_gone(pid: int, timeout: float = 5) -> None:
         time.sleep(0.02)
 
 
-def gname(prefix: str = "ns") -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:6]}"
-
-
 @pytest.fixture(scope="module")
 def own_lib(fakecuda, tmp_path_factory) -> Path:
     """A private copy of the stand-in's library directory: same bytes, other inode."""
@@ -163,7 +158,7 @@ def entry_byte(pid: int, lib_path: str, symbol: str = "cuMemAlloc_v2") -> int:
 # ------------------------------------------------- the module alone (must pass)
 
 def test_ns_pids_of_unshared_process(fakecuda):
-    with Contained.start(fakecuda, gname(), init=False) as c:
+    with Contained.start(fakecuda, gname("ns"), init=False) as c:
         assert containers.ns_pids(c.pid) == (c.pid, 1)
         assert c.pid != c.proc.pid            # not unshare itself
         v = containers.describe(c.pid)
@@ -173,8 +168,8 @@ def test_ns_pids_of_unshared_process(fakecuda):
 
 def test_mapped_libcuda_sees_the_containers_own_file(fakecuda, own_lib):
     host_st = os.stat(fakecuda.libcuda)
-    with Contained.start(fakecuda, gname(), own_lib=own_lib) as c, \
-            Contained.start(fakecuda, gname()) as h:
+    with Contained.start(fakecuda, gname("ns"), own_lib=own_lib) as c, \
+            Contained.start(fakecuda, gname("ns")) as h:
         [lib] = containers.mapped_libcuda(c.pid)
         # the same name as the host's library ...
         assert lib.path == str(fakecuda.libcuda)
@@ -217,8 +212,8 @@ int on_alloc(struct pt_regs *ctx) {
 """)
     fd = None
     try:
-        with Contained.start(fakecuda, gname(), own_lib=own_lib) as c, \
-                Contained.start(fakecuda, gname()) as h:
+        with Contained.start(fakecuda, gname("ns"), own_lib=own_lib) as c, \
+                Contained.start(fakecuda, gname("ns")) as h:
             [lib] = containers.mapped_libcuda(c.pid)
             fd = os.open(lib.host_path, os.O_RDONLY | os.O_CLOEXEC)
             held = f"/proc/{os.getpid()}/fd/{fd}"
@@ -271,7 +266,7 @@ def _rec(snap, pid):
 def test_host_driver_in_pid_namespace_is_resolved(daemon, fakecuda):
     """Works today: the container maps the host's library, the probes fire,
     ps shows the host pid and the pid inside the namespace."""
-    with Contained.start(fakecuda, gname()) as c:
+    with Contained.start(fakecuda, gname("ns")) as c:
         c.alloc("alloc 3M", 0)
         snap = converge(daemon, [c])
         rec = _rec(snap, c.pid)
@@ -283,7 +278,7 @@ def test_host_driver_in_pid_namespace_is_resolved(daemon, fakecuda):
 
 def test_host_driver_limit_from_container_env(daemon, fakecuda):
     """Works today: HAMi's variable in the container's environment limits it."""
-    with Contained.start(fakecuda, gname(), env={"CUDA_DEVICE_MEMORY_LIMIT": "32m"}) as c:
+    with Contained.start(fakecuda, gname("ns"), env={"CUDA_DEVICE_MEMORY_LIMIT": "32m"}) as c:
         c.alloc("alloc 32M", 0)
         rc, _ = c.alloc("alloc 1", 0, expect_rc=None)
         assert rc == OOM
@@ -292,7 +287,7 @@ def test_host_driver_limit_from_container_env(daemon, fakecuda):
 
 
 def test_own_driver_attached_at_first_mapping(daemon, fakecuda, own_lib):
-    with Contained.start(fakecuda, gname(), own_lib=own_lib) as c:
+    with Contained.start(fakecuda, gname("ns"), own_lib=own_lib) as c:
         wait_for(lambda: None if entry_byte(c.pid, f"/proc/{c.pid}/root{fakecuda.libcuda}")
                  == 0xCC else "cuMemAlloc_v2 of the container's libcuda is not probed",
                  5, what="attach to the container's libcuda")
@@ -302,7 +297,7 @@ def test_own_driver_attached_at_first_mapping(daemon, fakecuda, own_lib):
 
 
 def test_own_driver_accounting_is_exact(daemon, fakecuda, own_lib):
-    g = gname()
+    g = gname("ns")
     with Contained.start(fakecuda, g, own_lib=own_lib) as a, \
             Contained.start(fakecuda, g, own_lib=own_lib) as b, \
             Contained.start(fakecuda, g) as h:
@@ -323,7 +318,7 @@ def test_own_driver_accounting_is_exact(daemon, fakecuda, own_lib):
 
 def test_own_driver_limit_applies(daemon, fakecuda, own_lib):
     env = {"CUDA_DEVICE_MEMORY_LIMIT": "16m"}
-    with Contained.start(fakecuda, gname(), own_lib=own_lib, env=env, init=False) as c:
+    with Contained.start(fakecuda, gname("ns"), own_lib=own_lib, env=env, init=False) as c:
         # cuInit of a not-yet-attached library: wait for the attach, then start
         wait_for(lambda: None if containers.mapped_libcuda(c.pid) else "not mapped", 5)
         time.sleep(1.5)
@@ -352,10 +347,10 @@ def _settled_perf_fds(pid: int, timeout: float = 20.0) -> int:
 
 def test_own_driver_detached_after_last_user(daemon, fakecuda, own_lib):
     pid = daemon.proc.pid
-    with Contained.start(fakecuda, gname(), own_lib=own_lib) as c1:
+    with Contained.start(fakecuda, gname("ns"), own_lib=own_lib) as c1:
         c1.alloc("alloc 1M", 0)
         attached = perf_fds(pid)
-        with Contained.start(fakecuda, gname(), own_lib=own_lib) as c2:
+        with Contained.start(fakecuda, gname("ns"), own_lib=own_lib) as c2:
             c2.alloc("alloc 1M", 0)
             time.sleep(0.3)
             assert perf_fds(pid) == attached   # same file: attached once

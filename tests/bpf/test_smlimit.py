@@ -10,12 +10,11 @@ from __future__ import annotations
 import signal
 import threading
 import time
-import uuid
 
 import pytest
 
 from hami_bpf.fakecuda import CudaProc, FakeCudaError, build
-from helpers import Daemon, finish_daemon, stopped_pids, wait_for
+from helpers import Daemon, Tracked, finish_daemon, gname, stopped_pids, wait_for
 
 pytestmark = pytest.mark.bpf
 
@@ -31,13 +30,10 @@ def state(pid: int) -> str | None:
 
 
 def spawn(fake, group: str, sm: int | None = None, **extra) -> CudaProc:
-    env = {"HAMI_GROUP": group, "FAKECUDA_LAUNCH_NS": LAUNCH_NS, **extra}
+    env = {"FAKECUDA_LAUNCH_NS": LAUNCH_NS, **extra}
     if sm is not None:
         env["CUDA_DEVICE_SM_LIMIT"] = str(sm)
-    p = CudaProc(fake, env=env)
-    p.cmd("init")
-    p.cmd("device 0")
-    return p
+    return Tracked.spawn(fake, group, env=env).proc
 
 
 class Launching:
@@ -77,7 +73,7 @@ def daemon(fakecuda):
 
 def test_no_cap_means_no_launch_probe(daemon, fakecuda):
     assert launch_probes(daemon) == 0
-    p = spawn(fakecuda, f"free-{uuid.uuid4().hex[:6]}")
+    p = spawn(fakecuda, gname("free"))
     try:
         run = Launching(p, 20000)
         samples = run.sample_until_done()
@@ -90,10 +86,10 @@ def test_no_cap_means_no_launch_probe(daemon, fakecuda):
 
 
 def test_capped_group_is_stopped_and_resumed_uncapped_never(daemon, fakecuda):
-    g = f"cap-{uuid.uuid4().hex[:6]}"
+    g = gname("cap")
     capped = spawn(fakecuda, g, sm=30)
     idle_peer = spawn(fakecuda, g, sm=30)      # same group, not launching
-    free = spawn(fakecuda, f"free-{uuid.uuid4().hex[:6]}")
+    free = spawn(fakecuda, gname("free"))
     try:
         wait_for(lambda: None if launch_probes(daemon) > 0 else "no launch probe yet", 5,
                  what="launch probes attached for the first SM cap")
@@ -124,7 +120,7 @@ def test_capped_group_is_stopped_and_resumed_uncapped_never(daemon, fakecuda):
 
 
 def test_utilization_policy_disable_never_throttles(daemon, fakecuda):
-    p = spawn(fakecuda, f"dis-{uuid.uuid4().hex[:6]}", sm=20, GPU_CORE_UTILIZATION_POLICY="disable")
+    p = spawn(fakecuda, gname("dis"), sm=20, GPU_CORE_UTILIZATION_POLICY="disable")
     try:
         run = Launching(p, 60000)
         samples = run.sample_until_done()
@@ -138,7 +134,7 @@ def test_sigkill_daemon_while_throttled_then_restart_leaves_none_stopped(tmp_pat
     # Its own copy of the library: the module's daemon must not see these processes.
     fakecuda = build(tmp_path / "lib")
     d = Daemon(fakecuda, extra=["--sm-limits"]).start()
-    g = f"kill-{uuid.uuid4().hex[:6]}"
+    g = gname("kill")
     procs = [spawn(fakecuda, g, sm=10) for _ in range(2)]
     try:
         wait_for(lambda: None if launch_probes(d) > 0 else "no launch probe", 5, what="probes")
@@ -177,7 +173,7 @@ def test_caps_are_not_enforced_without_sm_limits(tmp_path):
     fakecuda = build(tmp_path / "lib")   # the module's --sm-limits daemon must not see it
     d = Daemon(fakecuda).start()
     try:
-        p = spawn(fakecuda, f"capoff-{uuid.uuid4().hex[:6]}", sm=20)
+        p = spawn(fakecuda, gname("capoff"), sm=20)
         try:
             run = Launching(p, 200000)
             samples = run.sample_until_done()

@@ -20,7 +20,7 @@ import pytest
 
 from hami_bpf.fakecuda import CudaProc, FakeCudaError, build
 from hami_bpf.server import query
-from helpers import Daemon, finish_daemon, wait_for
+from helpers import Daemon, Tracked, finish_daemon, gname, wait_for
 
 pytestmark = pytest.mark.bpf
 
@@ -41,14 +41,11 @@ def sim(tmp_path):
 
 
 def gpu_proc(fake, sim: str, group: str, sm: int | None = None, **extra) -> CudaProc:
-    env = {"HAMI_GROUP": group, "FAKECUDA_GPU_SIM": sim, "FAKECUDA_DEVICES": "1",
-           "FAKECUDA_NS_PER_BLOCK": "1000", **extra}
+    env = {"FAKECUDA_GPU_SIM": sim, "FAKECUDA_DEVICES": "1", "FAKECUDA_NS_PER_BLOCK": "1000",
+           **extra}
     if sm is not None:
         env["CUDA_DEVICE_SM_LIMIT"] = str(sm)
-    p = CudaProc(fake, env=env)
-    p.cmd("init")
-    p.cmd("device 0")
-    return p
+    return Tracked.spawn(fake, group, env=env).proc
 
 
 def bench(p: CudaProc, seconds: int = 7, settle_ms: int = 3000) -> float:
@@ -61,7 +58,7 @@ def test_a_single_cap_holds_its_share_of_a_deep_queue(tmp_path, sim):
     fake = build(tmp_path / "lib")
     d = Daemon(fake, extra=["--sm-limits"]).start()
     try:
-        p = gpu_proc(fake, sim, f"one-{uuid.uuid4().hex[:6]}", sm=40)
+        p = gpu_proc(fake, sim, gname("one"), sm=40)
         try:
             share = bench(p)
         finally:
@@ -75,7 +72,7 @@ def test_two_groups_30_70_each_get_their_share(tmp_path, sim):
     fake = build(tmp_path / "lib")
     d = Daemon(fake, extra=["--sm-limits"]).start()
     try:
-        procs = {cap: gpu_proc(fake, sim, f"pair{cap}-{uuid.uuid4().hex[:6]}", sm=cap)
+        procs = {cap: gpu_proc(fake, sim, gname(f"pair{cap}"), sm=cap)
                  for cap in (30, 70)}
         got: dict[int, float] = {}
 
@@ -130,7 +127,7 @@ class Sampler:
 def test_lending_low_priority_runs_free_until_high_priority_is_busy(tmp_path, sim):
     fake = build(tmp_path / "lib")
     d = Daemon(fake, extra=["--sm-limits", "--sm-lend-idle"]).start()
-    high_group, low_group = f"high-{uuid.uuid4().hex[:6]}", f"low-{uuid.uuid4().hex[:6]}"
+    high_group, low_group = gname("high"), gname("low")
     high = gpu_proc(fake, sim, high_group, CUDA_TASK_PRIORITY="0")
     low = gpu_proc(fake, sim, low_group, sm=20, CUDA_TASK_PRIORITY="1")
     try:
@@ -169,8 +166,8 @@ def test_a_group_arriving_next_to_a_throttled_one_learns_the_whole_device(tmp_pa
     fake = build(tmp_path / "lib")
     d = Daemon(fake, extra=["--sm-limits"]).start()
     try:
-        first = gpu_proc(fake, sim, f"early30-{uuid.uuid4().hex[:6]}", sm=30)
-        late = gpu_proc(fake, sim, f"late70-{uuid.uuid4().hex[:6]}", sm=70)
+        first = gpu_proc(fake, sim, gname("early30"), sm=30)
+        late = gpu_proc(fake, sim, gname("late70"), sm=70)
         got: dict[str, float] = {}
         ta = threading.Thread(target=lambda: got.__setitem__("30", bench(first, 13, 7000)))
         tb = threading.Thread(target=lambda: got.__setitem__("70", bench(late, 11, 5500)))

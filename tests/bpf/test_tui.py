@@ -16,16 +16,13 @@ import uuid
 
 import pytest
 
-from helpers import Daemon, Tracked, finish_daemon, hami_bpf_bin, wait_for, wait_registered
+from helpers import (Daemon, Tracked, finish_daemon, gname, hami_bpf_bin, wait_for,
+                     wait_registered)
 
 pytestmark = [pytest.mark.bpf, pytest.mark.tmux]
 
 MiB = 1 << 20
 SCREEN_TIMEOUT = 10.0
-
-
-def gname(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:6]}"
 
 
 class Screen:
