@@ -9,12 +9,13 @@ LIB=$(ls /usr/local/nvidia/lib64/libcuda.so.*.* 2>/dev/null | head -1)
 [ -n "$LIB" ] || LIB=$(ldconfig -p | awk '/libcuda.so.1 /{print $NF; exit}')
 H="python3 bench/hami.py"
 
-# start_daemon [ARGS...]: the daemon on $LIB, grouping by HAMI_GROUP, stderr
-# appended to $OUT/daemon.log; returns once it says "ready".
+# start_daemon [ARGS...]: the daemon on $LIB, grouping by $GROUP_BY (default
+# env:HAMI_GROUP), serving /tmp/h.sock, stderr appended to $OUT/daemon.log;
+# returns once it says "ready".
 start_daemon() {
   local before
   before=$(grep -c "ready" "$OUT/daemon.log" 2>/dev/null)
-  $H run --libcuda "$LIB" --group-by env:HAMI_GROUP --socket /tmp/h.sock --state-dir /tmp/hs \
+  $H run --libcuda "$LIB" --group-by "${GROUP_BY:-env:HAMI_GROUP}" --socket /tmp/h.sock --state-dir /tmp/hs \
       "$@" > /dev/null 2>> "$OUT/daemon.log" &
   DPID=$!
   for _ in $(seq 1 240); do

@@ -3,18 +3,11 @@
 # against the real libcuda, then the accounting and memory-limit workloads.
 # Usage (device tool): bash bench/gpu/run.sh   (carry: .debs .device)
 # Results land in $OUT (or ./bench-out).
-set -u
-OUT=${OUT:-$PWD/bench-out}; mkdir -p "$OUT"
-bash .device/setup-bcc.sh .debs > "$OUT/setup.log" 2>&1 || { cat "$OUT/setup.log"; exit 1; }
-. /tmp/bccroot/env.sh
-LIB=$(ls /usr/local/nvidia/lib64/libcuda.so.*.* 2>/dev/null | head -1)
-[ -n "$LIB" ] || LIB=$(ldconfig -p | awk '/libcuda.so.1 /{print $NF; exit}')
+GROUP_BY=pid
+. bench/gpu/prelude.sh
 echo "libcuda: $LIB"; nvidia-smi -L || true
-SOCK=/tmp/hami.sock
-python3 bench/hami.py run --libcuda "$LIB" --group-by pid --socket $SOCK --state-dir /tmp/hami-state \
-    --oom-action stop-rewrite -v > "$OUT/daemon.out" 2> "$OUT/daemon.log" &
-DPID=$!
-for i in $(seq 1 120); do grep -q "ready" "$OUT/daemon.log" && break; sleep 0.5; done
+SOCK=/tmp/h.sock
+start_daemon --oom-action stop-rewrite -v
 grep "ready" "$OUT/daemon.log" || { tail -50 "$OUT/daemon.log"; exit 1; }
 python3 bench/hami.py doctor --json > "$OUT/doctor.json" 2>&1
 for conf in "" "expandable_segments:True" "backend:cudaMallocAsync"; do
@@ -28,5 +21,5 @@ for conf in "" "expandable_segments:True"; do
       | tee -a "$OUT/memlimit.jsonl"
 done
 python3 bench/hami.py events --socket $SOCK --json > "$OUT/events.jsonl" 2>&1
-kill -TERM $DPID; wait $DPID; echo "daemon exit: $?"
+stop_daemon
 grep -v "registered\|^hami-bpf: pid" "$OUT/daemon.log" | tail -40
