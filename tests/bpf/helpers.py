@@ -52,6 +52,11 @@ def gname(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:6]}"
 
 
+def proc_env(group: str, env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Environment of a test workload in `group` (two simulated devices)."""
+    return {GROUP_ENV: group, "FAKECUDA_DEVICES": "2", **(env or {})}
+
+
 def no_core_dumps() -> None:
     """`crash` must not leave core files (children inherit the soft limit)."""
     try:
@@ -261,19 +266,24 @@ class Tracked:
     def spawn(cls, fake: FakeCuda, group: str, *, init: bool = True, device: int | None = 0,
               env: Mapping[str, str] | None = None, stderr=subprocess.DEVNULL) -> "Tracked":
         no_core_dumps()
-        e = {GROUP_ENV: group, "FAKECUDA_DEVICES": "2"}
-        if env:
-            e.update(env)
-        t = cls(CudaProc(fake, env=e, stderr=stderr), group)
+        t = cls(CudaProc(fake, env=proc_env(group, env), stderr=stderr), group)
+        return t.started(init, device)
+
+    def started(self, init: bool, device: int | None,
+                first: Callable[["Tracked"], None] | None = None) -> "Tracked":
+        """Finish starting: `first` (checks on the new process), then `init`
+        and `device N` as asked; the process is closed if any of it fails."""
         try:
+            if first is not None:
+                first(self)
             if init:
-                t.ok("init")
+                self.ok("init")
             if init and device is not None:
-                t.ok(f"device {device}")
+                self.ok(f"device {device}")
         except BaseException:
-            t.close()
+            self.close()
             raise
-        return t
+        return self
 
     @property
     def pid(self) -> int:

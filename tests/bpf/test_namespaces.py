@@ -30,7 +30,7 @@ import pytest
 from hami_bpf import containers, enforce, libcuda
 from hami_bpf.fakecuda import CudaProc, FakeCuda
 
-from helpers import (GROUP_ENV, Daemon, Tracked, converge, finish_daemon, gname, no_core_dumps,
+from helpers import (Daemon, Tracked, converge, finish_daemon, gname, no_core_dumps, proc_env,
                      wait_for, wait_registered)
 
 pytestmark = pytest.mark.bpf
@@ -68,13 +68,11 @@ class Contained(Tracked):
             script = 'exec "$0"'
             sh_args = [str(fake.cudaprog)]
         launcher = FakeCuda(fake.lib_dir, fake.libcuda, Path(shutil.which("unshare")))
-        e = {GROUP_ENV: group, "FAKECUDA_DEVICES": "2"}
-        e.update(env or {})
-        proc = CudaProc(launcher, env=e, stderr=subprocess.DEVNULL,
+        proc = CudaProc(launcher, env=proc_env(group, env), stderr=subprocess.DEVNULL,
                         args=["--pid", "--fork", "--kill-child", "--mount",
                               "--propagation", "private", "--", "sh", "-c", script, *sh_args])
-        t = cls(proc, group)
-        try:
+
+        def find_host_pid(t: "Contained") -> None:
             # `pid` makes cudaprog answer: by then it has exec'd (and the bind
             # mount, if any, is in place); its pid inside the namespace is 1.
             r = t.proc.cmd("pid", timeout=20)
@@ -82,14 +80,8 @@ class Contained(Tracked):
             kids = _children(proc.pid)
             assert len(kids) == 1, f"unshare {proc.pid} children: {kids}"
             t.host_pid = kids[0]
-            if init:
-                t.ok("init")
-            if init and device is not None:
-                t.ok(f"device {device}")
-        except BaseException:
-            t.close()
-            raise
-        return t
+
+        return cls(proc, group).started(init, device, first=find_host_pid)
 
     @property
     def pid(self) -> int:  # type: ignore[override]
