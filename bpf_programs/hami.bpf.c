@@ -882,6 +882,7 @@ int uprobe__sync_enter(struct pt_regs *ctx)
 	if (!u)
 		return 0;
 	at.consumed = u->consumed;
+	at.ts = bpf_ktime_get_ns();
 	sync_at.update(&tid, &at);
 	return 0;
 }
@@ -897,8 +898,11 @@ int uretprobe__sync_return(struct pt_regs *ctx)
 	if (PT_REGS_RC(ctx) != 0)
 		return 0;
 	struct hami_smuse *u = sm_use.lookup(&a.gk);
+	if (!u)
+		return 0;
+	__sync_fetch_and_add(&u->sync_ns, bpf_ktime_get_ns() - a.ts);
 	/* Racing writers may both store; the controller reads a maximum. */
-	if (u && a.consumed > u->completed)
+	if (a.consumed > u->completed)
 		u->completed = a.consumed;
 	return 0;
 }

@@ -186,11 +186,14 @@ struct hami_smuse {
 	__u64 launches;  /* launch calls */
 	__u64 completed; /* cost units known done on the GPU: `consumed` as of the
 			  * entry of the latest synchronize call that returned */
+	__u64 sync_ns;   /* time threads spent in synchronize calls that returned:
+			  * the host waiting for the GPU, not launching */
 };
 
 /* sync_at: key __u32 tid -> what was launched when a synchronize call began. */
 struct hami_syncat {
 	__u64 consumed;
+	__u64 ts;        /* CLOCK_MONOTONIC at entry */
 	struct hami_gkey gk;
 };
 

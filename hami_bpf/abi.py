@@ -184,11 +184,12 @@ class SmGrant(ct.Structure):
 
 
 class SmUse(ct.Structure):
-    _fields_ = [("consumed", ct.c_uint64), ("launches", ct.c_uint64), ("completed", ct.c_uint64)]
+    _fields_ = [("consumed", ct.c_uint64), ("launches", ct.c_uint64), ("completed", ct.c_uint64),
+                ("sync_ns", ct.c_uint64)]
 
 
 class SyncAt(ct.Structure):
-    _fields_ = [("consumed", ct.c_uint64), ("gk", GKey)]
+    _fields_ = [("consumed", ct.c_uint64), ("ts", ct.c_uint64), ("gk", GKey)]
 
 
 # C struct name -> mirror, for the layout test.

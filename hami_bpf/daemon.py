@@ -942,7 +942,7 @@ class Daemon:
     def _throttle_tick(self, now: float) -> None:
         use = self.probes.sm_use()
         rates: dict[int, dict[tuple[int, int], float]] = collections.defaultdict(dict)
-        for key, (consumed, _n, _done) in use.items():
+        for key, (consumed, *_rest) in use.items():
             prev = self._prev_use.get(key)
             if prev and now > prev[0]:
                 rates[key[1]][key] = max(0, consumed - prev[1]) / (now - prev[0])
@@ -973,14 +973,16 @@ class Daemon:
                 if b is None:
                     b = self.budgets[key] = Budget(cap=cap, probe_s=self.probe_cost_s)
                 b.cap = cap
-                consumed, n_launch, completed = use.get(key, (0, 0, 0))
+                consumed, n_launch, completed, sync_ns = use.get(key, (0, 0, 0, 0))
                 was_learning = b.learning
                 granted = budget_tick(b, now=now, consumed=consumed, launches=n_launch,
-                                      completed=completed or None, device=share.get(key))
+                                      completed=completed or None, sync_ns=sync_ns,
+                                      device=share.get(key))
                 if was_learning and not b.learning:
                     self.record("throttle", f"group {group!r} device {dev}: cap {cap}% of a "
                                 f"learned full rate of {b.full_rate:.4g} units/s (pace "
                                 f"{b.pace:.4g}/s{', contended' if b.contended else ''}"
+                                f"{', launcher-bound' if b.launcher_bound else ''}"
                                 f"{f', host-bound: +{b.probe_share:.1%} for the probe' if b.probe_share else ''}"
                                 f"{', from completions' if b.by_completion else ''})",
                                 group=group, device=dev, full_rate=b.full_rate, pace=b.pace,

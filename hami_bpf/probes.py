@@ -522,9 +522,10 @@ class Probes:
         except KeyError:
             pass
 
-    def sm_use(self) -> dict[tuple[int, int], tuple[int, int, int]]:
-        """(group index, device) -> (cost launched, launches, cost known completed)."""
-        return {(k.group, k.device): (v.consumed, v.launches, v.completed)
+    def sm_use(self) -> dict[tuple[int, int], tuple[int, int, int, int]]:
+        """(group index, device) -> (cost launched, launches, cost known
+        completed, nanoseconds its threads spent in synchronize calls)."""
+        return {(k.group, k.device): (v.consumed, v.launches, v.completed, v.sync_ns)
                 for k, v in self.map["sm_use"].items()}
 
     def set_graph_cost(self, cost: int) -> None:

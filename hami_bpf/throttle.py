@@ -23,6 +23,11 @@ simulated GPU, bench/sim_sm.py; docs/benchmarks.md):
    give it: F = pace x Ud / Ug. Alone, Ug = Ud and F = pace. The group's
    device time per cost unit, w = Ug / pace, is kept so that other groups
    learning later can subtract this one's part (rate x w) from the device.
+   F is never more than the launcher's own loop can launch: cost per second
+   of its time outside synchronize calls (`sync_ns`), so a launch-bound
+   group next to another is not taken for a GPU-bound one.
+   Where the device had room, the launcher set the pace: F is credited
+   the part of its time the launch probe took (measured at start-up).
 3. Open loop. The allowed rate is R = cap% x F; a token bank refilled at R,
    holding at most `burst_s` of it, so an idle group cannot save up a long
    uncapped burst. Throughput relative to uncapped is R / F = cap, whatever a
@@ -37,6 +42,7 @@ drains).
 """
 from __future__ import annotations
 
+import collections
 import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -57,6 +63,8 @@ MIN_PART = 0.05       # a group's part of a saturated device is at least this
 
 DONE_WINDOW_S = 1.0   # completion rate is measured over about this long
 DONE_MIN_SPAN_S = 0.4
+DONE_KEEP_S = 6.0     # ... or, where synchronizes are sparse, over the last few within this
+TICKS_KEEP_S = DONE_KEEP_S  # learning ticks kept (host rate, host-side ceiling)
 
 
 class Sample(NamedTuple):
@@ -67,6 +75,7 @@ class Sample(NamedTuple):
     rate: float                 # this group's launched cost per second
     others_rate: float          # the other neighbours' launched cost per second
     launches: int               # this group's launches so far
+    sync_s: float = 0.0         # this group's threads' time in synchronize calls so far
 
 
 @dataclass
@@ -83,13 +92,16 @@ class Budget:
     started: float | None = None
     start_consumed: int = 0
     active_since: float | None = None   # learning counts from the first launch seen
-    ticks: list = field(default_factory=list)   # (time, consumed) while learning, last HOST_WINDOW_S
+    ticks: collections.deque = field(default_factory=collections.deque)
+    # ^ (time, consumed, seconds in synchronize) per tick while learning, last TICKS_KEEP_S
     last_t: float | None = None
     last_consumed: int = 0
     credit: float | None = None     # granted, unrounded
     last_share: float | None = None  # achieved, percent of F (smoothed)
     utils: list = field(default_factory=list)   # Sample per tick while learning
     done: list = field(default_factory=list)    # (time, completed) when completed advanced
+    host_ceiling: float | None = None  # learned: cost per second of the launcher's own time
+    launcher_bound: bool = False    # F was capped by host_ceiling
     by_completion: bool = False     # the pace came from completions (the GPU's)
 
     @property
@@ -102,7 +114,11 @@ class Budget:
 
 
 def _recent_done(b: Budget, now: float) -> list[tuple[float, int]]:
-    return [(t, c) for t, c in b.done if now - t <= DONE_WINDOW_S + 0.5]
+    """The completions of about the last DONE_WINDOW_S; where a workload
+    synchronizes less often than that (a batch of large matmuls, then one
+    synchronize: every 1-2 s on the H200), the last two, however old."""
+    recent = [(t, c) for t, c in b.done if now - t <= DONE_WINDOW_S + 0.5]
+    return recent if len(recent) >= 2 else b.done[-2:]
 
 
 def completion_span(b: Budget, now: float) -> tuple[float, float, float] | None:
@@ -139,12 +155,39 @@ def completion_rate(b: Budget, now: float) -> float | None:
     return None if span is None else span[0]
 
 
+def _host_rate(b: Budget, since: float, until: float) -> float | None:
+    """Cost launched per second of the launcher's own time (wall time less
+    the time its threads waited in synchronize calls) over the span: what it
+    would launch if the GPU never kept it waiting."""
+    pts = [x for x in b.ticks if since - 1e-9 <= x[0] <= until + 1e-9]
+    if len(pts) < 2:
+        return None
+    (t0, c0, s0), (t1, c1, s1) = pts[0], pts[-1]
+    own = (t1 - t0) - (s1 - s0)
+    if c1 <= c0 or own <= 0.1 * (t1 - t0):
+        return None
+    return (c1 - c0) / own
+
+
+def _probe_share(b: Budget, samples: list[Sample], *, own: bool) -> float:
+    """The part of the launcher's time (of its own time, outside synchronize
+    calls, if `own`) that the launch probe took over the samples."""
+    first, last = samples[0], samples[-1]
+    span = last.t - first.t - ((last.sync_s - first.sync_s) if own else 0.0)
+    if b.probe_s <= 0 or span <= 0:
+        return 0.0
+    return min(0.5, (last.launches - first.launches) / span * b.probe_s)
+
+
 def _learned(b: Budget, pace: float, since: float, until: float, consumed: int) -> int:
     """End learning with the unthrottled `pace` measured from `since` to
     `until`; the device's utilization is split over the same span."""
     samples = [x for x in b.utils if since < x.t <= until and x.util is not None]
     b.pace = pace
     b.full_rate = pace
+    # Only where it synchronizes: there the GPU keeps it waiting in
+    # synchronize calls; without any, it waits inside full launch queues.
+    b.host_ceiling = _host_rate(b, since, until) if b.by_completion else None
     if samples and pace > 0:
         # Over the window, not per tick: launches run ahead of the GPU by the
         # launch queue, so a tick's launches say little about that tick's busy time.
@@ -160,29 +203,36 @@ def _learned(b: Budget, pace: float, since: float, until: float, consumed: int) 
         if ud >= SATURATED and part < ud:
             b.contended = True
             b.full_rate = pace * ud / part
+            if b.host_ceiling is not None and b.host_ceiling < b.full_rate:
+                # The group cannot launch faster than its own host loop does,
+                # however much of the device it would have alone: two
+                # launch-bound groups fill NVML's utilization without
+                # either being held back by half (H200, small kernels).
+                b.launcher_bound = True
+                b.probe_share = _probe_share(b, samples, own=True)
+                b.full_rate = max(pace, b.host_ceiling / (1.0 - b.probe_share))
         elif ud < SATURATED and b.probe_s > 0 and len(samples) > 1:
             # The device had room: the launcher, not the GPU, set the pace,
             # and the probe's trap took part of each launch. Without probes
             # (uncapped) it would run that much faster; caps are shares of that.
-            first, last = samples[0], samples[-1]
-            lr = (last.launches - first.launches) / (last.t - first.t) if last.t > first.t else 0.0
-            b.probe_share = min(0.5, lr * b.probe_s)
+            b.probe_share = _probe_share(b, samples, own=False)
             b.full_rate = pace / (1.0 - b.probe_share)
     b.rate = max(MIN_RATE, b.cap / 100.0 * b.full_rate)
     b.granted, b.credit = consumed, float(consumed)   # the bank starts empty
     b.utils = []
+    b.ticks.clear()
     return b.granted
 
 
 def tick(b: Budget, *, now: float, consumed: int, launches: int = 0, completed: int | None = None,
-         device: "DeviceView | None" = None, learn_s: float = LEARN_S,
+         sync_ns: int = 0, device: "DeviceView | None" = None, learn_s: float = LEARN_S,
          burst_s: float = BURST_S) -> int:
-    """Advance one budget to `now` given the probes' cumulative `consumed`
-    and `completed`, and where known what the device did over the last tick
-    (`device`, from neighbours()); return the new `granted`."""
+    """Advance one budget to `now` given the probes' cumulative `consumed`,
+    `completed` and `sync_ns`, and where known what the device did over the
+    last tick (`device`, from neighbours()); return the new `granted`."""
     if completed is not None and (not b.done or completed > b.done[-1][1]):
         b.done.append((now, completed))
-        b.done = _recent_done(b, now)
+        b.done = [(t, c) for t, c in b.done if now - t <= DONE_KEEP_S]
     if b.started is None:
         b.started = b.last_t = now
         b.last_consumed = b.start_consumed = consumed
@@ -202,13 +252,17 @@ def tick(b: Budget, *, now: float, consumed: int, launches: int = 0, completed: 
         active = now - b.active_since
         if device is not None:
             b.utils.append(Sample(now, device.util, device.known_others, rate_seen,
-                                  device.unknown_others_rate, launches))
-        b.ticks.append((now, consumed))
-        b.ticks = [(t, c) for t, c in b.ticks if now - t <= HOST_WINDOW_S]
+                                  device.unknown_others_rate, launches, sync_ns / 1e9))
+        b.ticks.append((now, consumed, sync_ns / 1e9))
+        while now - b.ticks[0][0] > TICKS_KEEP_S:
+            b.ticks.popleft()
         if active < learn_s * LEARN_FROM:
             return b.granted
+        # Completions from before the queue had filled say little: wait
+        # until they have left the window.
+        since = b.active_since + learn_s * LEARN_FROM * 0.5
         span = completion_span(b, now)
-        if span and b.done[0][0] - b.active_since >= learn_s * LEARN_FROM * 0.5:
+        if span and span[1] >= since:
             if _sharing(b, span[1], span[2]) and not _steady(b, now) and active < LEARN_SHARED_S:
                 # Arriving next to another group, the first second is a
                 # transient (this group's queue fill runs ahead of the other's
@@ -218,17 +272,20 @@ def tick(b: Budget, *, now: float, consumed: int, launches: int = 0, completed: 
             return _learned(b, span[0], span[1], span[2], consumed)
         if active < LEARN_MAX_S:
             return b.granted       # most workloads synchronize: wait for the GPU's pace
+        if active < LEARN_GIVEUP_S and any(t >= since for t, _c in b.done):
+            return b.granted       # it synchronizes, only rarely: wait for the next one
         # It has not synchronized: the host's launch rate over the last
         # window, once launching is sustained (a process still setting up
         # launches in bursts, and a rate learned then would starve it later).
-        run = len(b.ticks) - 1        # the trailing run of ticks that all launched
-        while run > 0 and b.ticks[run][1] > b.ticks[run - 1][1]:
+        ticks = [x for x in b.ticks if now - x[0] <= HOST_WINDOW_S]
+        run = len(ticks) - 1        # the trailing run of ticks that all launched
+        while run > 0 and ticks[run][1] > ticks[run - 1][1]:
             run -= 1
-        run = min(run + 1, len(b.ticks) - 1)   # its first interval may be partial
-        sustained = b.ticks[-1][0] - b.ticks[run][0]
+        run = min(run + 1, len(ticks) - 1)   # its first interval may be partial
+        sustained = ticks[-1][0] - ticks[run][0]
         if sustained < SUSTAINED * HOST_WINDOW_S and active < LEARN_GIVEUP_S:
             return b.granted
-        (t0, c0), (t1, c1) = (b.ticks[run] if sustained > 0 else b.ticks[0]), b.ticks[-1]
+        (t0, c0, _s0), (t1, c1, _s1) = (ticks[run] if sustained > 0 else ticks[0]), ticks[-1]
         if t1 <= t0 or c1 <= c0:
             return b.granted
         return _learned(b, (c1 - c0) / (t1 - t0), t0, t1, consumed)

@@ -7,9 +7,10 @@
 # Usage: bash bench/gpu/e2e.sh ; results in $OUT (e2e.jsonl, alloc.jsonl)
 . bench/gpu/prelude.sh
 E="$OUT/e2e.jsonl"; : > "$E"
+PIN="taskset -c 2"    # one CPU for every run: see sm_bench.sh
 # Same process: allocation and launch host time, no daemon / daemon / no daemon.
 mkdir -p "$OUT/ph"
-HAMI_GROUP=alloc CUDA_DEVICE_MEMORY_LIMIT=64g python3 bench/gpu/launch_cost.py \
+HAMI_GROUP=alloc CUDA_DEVICE_MEMORY_LIMIT=64g $PIN python3 bench/gpu/launch_cost.py \
     --phases nodaemon,daemon,nodaemon2 --dir "$OUT/ph" > "$OUT/alloc.jsonl" &
 L=$!
 sleep 10
@@ -22,13 +23,13 @@ phase nodaemon2
 wait $L
 cat "$OUT/alloc.jsonl"
 for kind in train infer; do
-  HAMI_GROUP=bare-$kind python3 bench/gpu/e2e.py $kind --label bare | tee -a "$E"
+  HAMI_GROUP=bare-$kind $PIN python3 bench/gpu/e2e.py $kind --label bare | tee -a "$E"
 done
 start_daemon --sm-limits
 for kind in train infer; do
-  HAMI_GROUP=obs-$kind python3 bench/gpu/e2e.py $kind --label observed | tee -a "$E"
-  HAMI_GROUP=mem-$kind CUDA_DEVICE_MEMORY_LIMIT=32g python3 bench/gpu/e2e.py $kind --label memcap32g | tee -a "$E"
-  HAMI_GROUP=sm-$kind CUDA_DEVICE_SM_LIMIT=50 python3 bench/gpu/e2e.py $kind --label smcap50 | tee -a "$E"
+  HAMI_GROUP=obs-$kind $PIN python3 bench/gpu/e2e.py $kind --label observed | tee -a "$E"
+  HAMI_GROUP=mem-$kind CUDA_DEVICE_MEMORY_LIMIT=32g $PIN python3 bench/gpu/e2e.py $kind --label memcap32g | tee -a "$E"
+  HAMI_GROUP=sm-$kind CUDA_DEVICE_SM_LIMIT=50 $PIN python3 bench/gpu/e2e.py $kind --label smcap50 | tee -a "$E"
 done
 $H events --socket /tmp/h.sock 2>&1 | grep -i "learned\|deny\|error" | cut -c1-220
 stop_daemon

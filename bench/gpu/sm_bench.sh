@@ -10,23 +10,29 @@ t0=$(date +%s)
 start_daemon --sm-limits -v
 echo "daemon ready after $(( $(date +%s) - t0 )) s: $(grep -m1 'launch_probe_cost\|probe' "$OUT/daemon.log" | head -1)"
 W=bench/gpu/sm_workload.py
+# Each workload on a fixed CPU: unpinned, the same host loop ran at ~82k or
+# ~118k kernels/s depending on where it landed (and moved mid-run), which a
+# comparison across processes cannot tell from the cap.
+PIN="taskset -c 2"; PIN_B="taskset -c 6"
 for kind in matmul small graph; do
-  HAMI_GROUP=base-$kind python3 $W $kind --seconds 8 --settle 3 --label uncapped | tee -a "$R" | cut -c1-150
+  HAMI_GROUP=base-$kind $PIN python3 $W $kind --seconds 8 --settle 3 --label uncapped | tee -a "$R" | cut -c1-150
   for cap in 25 50 75; do
-    HAMI_GROUP=cap$cap-$kind CUDA_DEVICE_SM_LIMIT=$cap python3 $W $kind --seconds 8 --settle 3 \
+    HAMI_GROUP=cap$cap-$kind CUDA_DEVICE_SM_LIMIT=$cap $PIN python3 $W $kind --seconds 8 --settle 3 \
         --label cap$cap | tee -a "$R" | cut -c1-150
   done
 done
 for kind in matmul small; do
   echo "== two groups 30/70 ($kind)"
-  HAMI_GROUP=g30-$kind CUDA_DEVICE_SM_LIMIT=30 python3 $W $kind --seconds 12 --settle 5 --label pair30 >> "$R" &
+  # matmul synchronizes every ~2 s when shared: longer, to see it settle.
+  [ $kind = matmul ] && T="--seconds 16 --settle 8" || T="--seconds 12 --settle 5"
+  HAMI_GROUP=g30-$kind CUDA_DEVICE_SM_LIMIT=30 $PIN python3 $W $kind $T --label pair30 >> "$R" &
   A=$!
-  HAMI_GROUP=g70-$kind CUDA_DEVICE_SM_LIMIT=70 python3 $W $kind --seconds 12 --settle 5 --label pair70 >> "$R" &
+  HAMI_GROUP=g70-$kind CUDA_DEVICE_SM_LIMIT=70 $PIN_B python3 $W $kind $T --label pair70 >> "$R" &
   B=$!
   wait $A $B
 done
 echo "== host time per launch, one process: no probe, then launch probes attached"
-python3 bench/gpu/launch_cost.py --phases noprobe,probed,noprobe2 --dir "$OUT/ph" > "$OUT/launch.jsonl" &
+$PIN python3 bench/gpu/launch_cost.py --phases noprobe,probed,noprobe2 --dir "$OUT/ph" > "$OUT/launch.jsonl" &
 L=$!
 mkdir -p "$OUT/ph"; sleep 8
 phase noprobe

@@ -102,7 +102,8 @@ def test_neighbours_split_known_parts_and_pass_on_unknown_rates():
     assert neighbours(None, {"a": 1.0}, {})["a"].util is None
 
 
-def simulate_queued_gpu(cap, seconds=8.0, gpu_rate=1000.0, queue_s=1.1, sync_every=0.25, dt=0.01):
+def simulate_queued_gpu(cap, seconds=8.0, gpu_rate=1000.0, queue_s=1.1, sync_every=0.25, dt=0.01,
+                        device=None):
     """A host that launches as fast as the launch queue allows (queue_s of GPU
     work) and synchronizes every sync_every seconds of enqueueing, like
     bench/gpu/sm_workload.py; the GPU drains at gpu_rate. Returns the GPU's
@@ -113,11 +114,13 @@ def simulate_queued_gpu(cap, seconds=8.0, gpu_rate=1000.0, queue_s=1.1, sync_eve
     phase_start, syncing, sync_target = 0.0, False, 0.0
     completed_mark = None
     done_at = []
+    sync_ns = 0
     while t < seconds:
         t += dt
         done = min(launched, done + gpu_rate * dt)
         done_at.append((t, done))
         if syncing:
+            sync_ns += int(dt * 1e9)
             if done >= sync_target:
                 syncing, phase_start = False, t
                 completed_mark = sync_target
@@ -127,7 +130,7 @@ def simulate_queued_gpu(cap, seconds=8.0, gpu_rate=1000.0, queue_s=1.1, sync_eve
             launched += min(room_queue, room_budget, gpu_rate * 50 * dt)
             if t - phase_start >= sync_every:
                 syncing, sync_target = True, launched
-        granted = tick(b, now=t, consumed=int(launched),
+        granted = tick(b, now=t, consumed=int(launched), sync_ns=sync_ns, device=device,
                        completed=None if completed_mark is None else int(completed_mark))
     t0, d0 = next((tt, d) for tt, d in done_at if tt >= seconds - 3.0)
     return (done - d0) / (t - t0) / gpu_rate, b
@@ -138,6 +141,42 @@ def test_caps_a_deep_launch_queue_by_its_completions(cap):
     achieved, b = simulate_queued_gpu(cap)
     assert b.by_completion
     assert abs(achieved * 100 - cap) <= 5, (achieved, b)
+
+
+def test_rare_synchronizes_are_waited_for():
+    # A batch of large matmuls fills a 2 s launch queue, then one
+    # synchronize: completions come every ~2 s, later than LEARN_MAX_S
+    # (H200: such a pair learned from the host's launch rate, 46/48% for 30/70).
+    achieved, b = simulate_queued_gpu(50, seconds=16.0, queue_s=2.0)
+    assert b.by_completion
+    assert abs(achieved * 100 - 50) <= 5, (achieved, b)
+
+
+def test_a_gpu_bound_pair_keeps_the_contention_scaling():
+    # Sharing a saturated device with an equal neighbour, it waits in
+    # synchronize most of the time: the GPU, not its host loop, held it back.
+    _, b = simulate_queued_gpu(30, seconds=6.0, gpu_rate=500.0,
+                               device=DeviceView(100.0, 0.0, 500.0))
+    assert b.contended and not b.launcher_bound
+    assert abs(b.full_rate - 1000) / 1000 < 0.1, b
+
+
+def test_a_launch_bound_pair_is_not_taken_for_a_gpu_bound_one():
+    # Two launch-bound groups fill NVML's utilization between them, yet each
+    # launches as fast as its own loop, waiting little in synchronize (H200,
+    # small kernels: the first learned twice its rate, 46% for a cap of 30).
+    b = Budget(cap=30)
+    t, consumed, sync_ns = 0.0, 0, 0
+    tick(b, now=t, consumed=0)
+    while b.learning and t < 10:
+        t += 0.05
+        consumed += 4000                      # 80k/s of its own loop
+        if int(round(t / 0.05)) % 5 == 0:     # a synchronize every 0.25 s, 5 ms long
+            sync_ns += 5_000_000
+        tick(b, now=t, consumed=consumed, completed=consumed - 400, sync_ns=sync_ns,
+             device=DeviceView(100.0, 0.0, 80_000.0))
+    assert b.contended and b.launcher_bound
+    assert abs(b.full_rate - 80_000 / 0.98) / 80_000 < 0.05, b.full_rate
 
 
 def test_a_tiny_rate_still_grants_over_time():
