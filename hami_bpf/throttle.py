@@ -101,6 +101,7 @@ class Budget:
     utils: list = field(default_factory=list)   # Sample per tick while learning
     done: list = field(default_factory=list)    # (time, completed) when completed advanced
     host_ceiling: float | None = None  # learned: cost per second of the launcher's own time
+    fresh_since: float = 0.0        # learn only from completions after this (a neighbour changed)
     launcher_bound: bool = False    # F was capped by host_ceiling
     by_completion: bool = False     # the pace came from completions (the GPU's)
 
@@ -251,6 +252,12 @@ def tick(b: Budget, *, now: float, consumed: int, launches: int = 0, completed: 
             b.active_since = now - dt
         active = now - b.active_since
         if device is not None:
+            if device.known_others > 0 and b.utils and b.utils[-1].known_others <= 0:
+                # A neighbour finished learning and is held to its cap from
+                # now on: a pace measured across the change, split by the
+                # state after it, would be neither (H200, matmul pair 30/70:
+                # the later group learned 3x its pace).
+                b.fresh_since = now
             b.utils.append(Sample(now, device.util, device.known_others, rate_seen,
                                   device.unknown_others_rate, launches, sync_ns / 1e9))
         b.ticks.append((now, consumed, sync_ns / 1e9))
@@ -260,7 +267,7 @@ def tick(b: Budget, *, now: float, consumed: int, launches: int = 0, completed: 
             return b.granted
         # Completions from before the queue had filled say little: wait
         # until they have left the window.
-        since = b.active_since + learn_s * LEARN_FROM * 0.5
+        since = max(b.active_since + learn_s * LEARN_FROM * 0.5, b.fresh_since)
         span = completion_span(b, now)
         if span and span[1] >= since:
             if _sharing(b, span[1], span[2]) and not _steady(b, now) and active < LEARN_SHARED_S:
@@ -272,7 +279,7 @@ def tick(b: Budget, *, now: float, consumed: int, launches: int = 0, completed: 
             return _learned(b, span[0], span[1], span[2], consumed)
         if active < LEARN_MAX_S:
             return b.granted       # most workloads synchronize: wait for the GPU's pace
-        if active < LEARN_GIVEUP_S and any(t >= since for t, _c in b.done):
+        if active < LEARN_GIVEUP_S and any(t > b.active_since for t, _c in b.done):
             return b.granted       # it synchronizes, only rarely: wait for the next one
         # It has not synchronized: the host's launch rate over the last
         # window, once launching is sustained (a process still setting up

@@ -3,7 +3,11 @@
 #   each workload uncapped, then capped at 25/50/75 (HAMi's CUDA_DEVICE_SM_LIMIT);
 #   two groups at 30/70 side by side (matmul, then small kernels);
 #   host time per launch: no probe vs launch probes attached (same process).
-# Usage: bash bench/gpu/sm_bench.sh ; results in $OUT (sm.jsonl, launch.jsonl, daemon.log)
+# Usage: [SECTIONS="single pair cost"] bash bench/gpu/sm_bench.sh ; results in
+# $OUT (sm.jsonl, launch.jsonl, daemon.log). A pair's "relative to uncapped"
+# needs the single section's uncapped rows in the same sm.jsonl.
+SECTIONS=${SECTIONS:-single pair cost}
+want() { case " $SECTIONS " in *" $1 "*) return 0;; esac; return 1; }
 . bench/gpu/prelude.sh
 R="$OUT/sm.jsonl"; : > "$R"
 t0=$(date +%s)
@@ -14,14 +18,17 @@ W=bench/gpu/sm_workload.py
 # ~118k kernels/s depending on where it landed (and moved mid-run), which a
 # comparison across processes cannot tell from the cap.
 PIN="taskset -c 2"; PIN_B="taskset -c 6"
-for kind in matmul small graph; do
+want single && for kind in matmul small graph; do
   HAMI_GROUP=base-$kind $PIN python3 $W $kind --seconds 8 --settle 3 --label uncapped | tee -a "$R" | cut -c1-150
   for cap in 25 50 75; do
     HAMI_GROUP=cap$cap-$kind CUDA_DEVICE_SM_LIMIT=$cap $PIN python3 $W $kind --seconds 8 --settle 3 \
         --label cap$cap | tee -a "$R" | cut -c1-150
   done
 done
-for kind in matmul small; do
+want single || for kind in matmul small; do   # uncapped baselines for the pairs
+  HAMI_GROUP=base-$kind $PIN python3 $W $kind --seconds 8 --settle 3 --label uncapped | tee -a "$R" | cut -c1-150
+done
+want pair && for kind in matmul small; do
   echo "== two groups 30/70 ($kind)"
   # matmul synchronizes every ~2 s when shared: longer, to see it settle.
   [ $kind = matmul ] && T="--seconds 16 --settle 8" || T="--seconds 12 --settle 5"
@@ -31,6 +38,7 @@ for kind in matmul small; do
   B=$!
   wait $A $B
 done
+if want cost; then
 echo "== host time per launch, one process: no probe, then launch probes attached"
 $PIN python3 bench/gpu/launch_cost.py --phases noprobe,probed,noprobe2 --dir "$OUT/ph" > "$OUT/launch.jsonl" &
 L=$!
@@ -46,6 +54,7 @@ sleep 6       # the last cap left: launch probes detach in the background
 phase noprobe2
 wait $L
 cat "$OUT/launch.jsonl"
+fi
 $H events --socket /tmp/h.sock > "$OUT/events.txt" 2>&1
 grep -i "learned" "$OUT/events.txt" | cut -c1-220
 kill -TERM $DPID; wait $DPID; echo "daemon exit $? after $(( $(date +%s) - t0 )) s"

@@ -179,6 +179,27 @@ def test_a_launch_bound_pair_is_not_taken_for_a_gpu_bound_one():
     assert abs(b.full_rate - 80_000 / 0.98) / 80_000 < 0.05, b.full_rate
 
 
+def test_a_neighbour_learning_meanwhile_restarts_the_window():
+    # Two groups share a device half and half; the other one learns first and
+    # is held to 70% from then on, leaving this one 30%. Its pace must come
+    # from after that change, split by the state after it: 30k of 100k.
+    b = Budget(cap=30)
+    t, consumed, sync_ns = 0.0, 0, 0
+    tick(b, now=t, consumed=0)
+    while b.learning and t < 10:
+        t += 0.05
+        after = t > 4.5
+        consumed += 1500 if after else 2500             # 30k/s, then 50k/s before
+        view = DeviceView(100.0, 70.0, 0.0) if after else DeviceView(100.0, 0.0, 50_000.0)
+        sync = int(round(t / 0.05)) % 40 == 20          # a synchronize every 2 s (at 1, 3, ...),
+        sync_ns += 1_500_000_000 if sync else 0         # waiting 1.5 s of it for the GPU
+        tick(b, now=t, consumed=consumed, completed=consumed if sync else None,
+             sync_ns=sync_ns, device=view)
+    assert b.by_completion and b.contended
+    assert abs(b.pace - 30_000) / 30_000 < 0.05, b.pace
+    assert abs(b.full_rate - 100_000) / 100_000 < 0.1, b.full_rate
+
+
 def test_a_tiny_rate_still_grants_over_time():
     # Rounding each tick's grant to an integer once granted nothing at a few
     # units per second, and a held TP=2 job never resumed (H200 x2).
