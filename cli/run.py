@@ -87,10 +87,10 @@ class UnixGroupType(click.ParamType):
               help="Device memory each process's CUDA context holds, charged against its "
                    "group's limit per device it uses [default: 528Mi on a GPU (measured on "
                    "an H200), 0 in the demo].")
-@click.option("--sm-limits/--no-sm-limits", default=False, show_default=True,
+@click.option("--sm-limits/--no-sm-limits", default=True, show_default=True,
               help="Enforce SM caps (CUDA_DEVICE_SM_LIMIT, policy `sm`) by throttling launches. "
-                   "Off by default until its accuracy is proven on every workload kind "
-                   "(docs/benchmarks.md); caps are then shown but not enforced.")
+                   "With --no-sm-limits caps are shown but not enforced and no launch probe "
+                   "is ever attached.")
 @click.option("--sm-lend-idle", is_flag=True,
               help="Let a capped group use compute its device's other groups leave idle: it is "
                    "held to its cap only while a group of higher or equal priority "

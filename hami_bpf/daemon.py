@@ -911,7 +911,7 @@ class Daemon:
             if group not in self._sm_unenforced:
                 self._sm_unenforced.add(group)
                 self.record("config", f"group {group!r} asks for an SM cap of {sm}%: not enforced "
-                            "(run with --sm-limits to throttle launches)", group=group, sm=sm)
+                            "(the daemon runs with --no-sm-limits)", group=group, sm=sm)
             return
         caps = self.sm_caps.setdefault(group, {})
         old = caps.get(dev)

@@ -66,7 +66,7 @@ def launch_probes(d: Daemon) -> int:
 
 @pytest.fixture(scope="module")
 def daemon(fakecuda):
-    d = Daemon(fakecuda, extra=["--sm-limits"]).start()
+    d = Daemon(fakecuda).start()      # SM caps are enforced by default
     yield d
     finish_daemon(d)
 
@@ -166,12 +166,11 @@ def test_sigkill_daemon_while_throttled_then_restart_leaves_none_stopped(tmp_pat
             p.close()
 
 
-def test_caps_are_not_enforced_without_sm_limits(tmp_path):
-    """SM limiting is opt-in (--sm-limits) until it is accurate everywhere: by
-    default a capped group runs untouched, no launch probe is attached, and the
-    daemon says why."""
+def test_caps_are_not_enforced_with_no_sm_limits(tmp_path):
+    """With --no-sm-limits a capped group runs untouched, no launch probe is
+    attached, and the daemon says why."""
     fakecuda = build(tmp_path / "lib")   # the module's --sm-limits daemon must not see it
-    d = Daemon(fakecuda).start()
+    d = Daemon(fakecuda, extra=["--no-sm-limits"]).start()
     try:
         p = spawn(fakecuda, gname("capoff"), sm=20)
         try:
