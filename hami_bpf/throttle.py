@@ -137,6 +137,15 @@ def _sharing(b: Budget, since: float, until: float) -> bool:
                          and any(x.known_others > 0 or x.others_rate > 0 for x in xs))
 
 
+def _busy_alone(b: Budget, since: float, until: float) -> bool:
+    """The device was saturated over the span and no other group launched:
+    the GPU worked for this group throughout, so completions from before
+    its launch queue had filled count too."""
+    xs = [x for x in b.utils if since < x.t <= until and x.util is not None]
+    return (len(xs) >= 2 and sum(x.util for x in xs) / len(xs) >= SATURATED
+            and all(x.known_others <= 0 and x.others_rate <= 0 for x in xs))
+
+
 def _steady(b: Budget, now: float) -> bool:
     """The completion pace of the older and the newer half of the window agree."""
     pts = _recent_done(b, now)
@@ -265,11 +274,15 @@ def tick(b: Budget, *, now: float, consumed: int, launches: int = 0, completed: 
             b.ticks.popleft()
         if active < learn_s * LEARN_FROM:
             return b.granted
-        # Completions from before the queue had filled say little: wait
-        # until they have left the window.
+        # Completions from before the queue had filled say little (a
+        # synchronize in set-up, then host work before the steady loop):
+        # wait until they have left the window, unless the GPU was busy
+        # with this group alone all along (matmuls: their first
+        # synchronize after warm-up comes ~1 s in, the second ~1 s later).
         since = max(b.active_since + learn_s * LEARN_FROM * 0.5, b.fresh_since)
         span = completion_span(b, now)
-        if span and span[1] >= since:
+        if span and (span[1] >= since or (b.fresh_since <= span[1]
+                                          and _busy_alone(b, span[1], span[2]))):
             if _sharing(b, span[1], span[2]) and not _steady(b, now) and active < LEARN_SHARED_S:
                 # Arriving next to another group, the first second is a
                 # transient (this group's queue fill runs ahead of the other's

@@ -3,7 +3,7 @@
 #   each workload uncapped, then capped at 25/50/75 (HAMi's CUDA_DEVICE_SM_LIMIT);
 #   two groups at 30/70 side by side (matmul, then small kernels);
 #   host time per launch: no probe vs launch probes attached (same process).
-# Usage: [SECTIONS="single pair cost"] bash bench/gpu/sm_bench.sh ; results in
+# Usage: [SECTIONS="single pair cost"] [KINDS="matmul small graph"] bash bench/gpu/sm_bench.sh ; results in
 # $OUT (sm.jsonl, launch.jsonl, daemon.log). A pair's "relative to uncapped"
 # needs the single section's uncapped rows in the same sm.jsonl.
 SECTIONS=${SECTIONS:-single pair cost}
@@ -18,7 +18,7 @@ W=bench/gpu/sm_workload.py
 # ~118k kernels/s depending on where it landed (and moved mid-run), which a
 # comparison across processes cannot tell from the cap.
 PIN="taskset -c 2"; PIN_B="taskset -c 6"
-want single && for kind in matmul small graph; do
+want single && for kind in ${KINDS:-matmul small graph}; do
   HAMI_GROUP=base-$kind $PIN python3 $W $kind --seconds 8 --settle 3 --label uncapped | tee -a "$R" | cut -c1-150
   for cap in 25 50 75; do
     HAMI_GROUP=cap$cap-$kind CUDA_DEVICE_SM_LIMIT=$cap $PIN python3 $W $kind --seconds 8 --settle 3 \

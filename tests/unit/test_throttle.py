@@ -143,6 +143,34 @@ def test_caps_a_deep_launch_queue_by_its_completions(cap):
     assert abs(achieved * 100 - cap) <= 5, (achieved, b)
 
 
+def test_a_busy_device_learns_from_the_first_window():
+    # Warm-up, one synchronize, then a window that fills a 1.1 s launch queue
+    # and a synchronize that returns ~1.1 s later. The device was busy with
+    # this group alone: those two completions give its pace at once, rather
+    # than a second later (H200 matmuls settled 2.5-3.5 s in, over the 2 s target).
+    b = Budget(cap=50)
+    gpu, t, dt = 1000.0, 0.0, 0.01
+    tick(b, now=t, consumed=0)
+    launched, done, marks = 10.0, 0.0, []
+    sync_at = launched                      # warm-up: 10 units, then synchronize
+    while b.learning and t < 3.0:
+        t += dt
+        done = min(launched, done + gpu * dt)
+        if sync_at is not None and done >= sync_at:
+            marks.append(int(sync_at))
+            sync_at = None
+            window_end = t + 0.25
+        elif sync_at is None and t < window_end:
+            launched = min(done + gpu * 1.1, launched + gpu * 50 * dt)
+        elif sync_at is None:
+            sync_at = launched
+        tick(b, now=t, consumed=int(launched), completed=marks[-1] if marks else None,
+             device=DeviceView(100.0, 0.0, 0.0))
+    assert not b.learning and b.by_completion
+    assert t < 1.5, t
+    assert abs(b.full_rate - gpu) / gpu < 0.05, b.full_rate
+
+
 def test_rare_synchronizes_are_waited_for():
     # A batch of large matmuls fills a 2 s launch queue, then one
     # synchronize: completions come every ~2 s, later than LEARN_MAX_S
