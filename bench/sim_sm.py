@@ -47,6 +47,8 @@ def run_one(fake, sim: str, kind: str, group: str, cap: int | None, seconds: int
     with CudaProc(fake, env=env) as p:
         p.cmd("init")
         p.cmd("device 0")
+        p.cmd("launch 3")     # warm-up and one synchronize, as bench/gpu/sm_workload.py
+        p.cmd("sync")
         r = p.cmd(cmd.format(s=seconds, settle=settle_ms), timeout=seconds + 60)
     out[label] = (kind, cap, float(r["steady"]), float(r["min"]), r["windows"])
 
@@ -66,7 +68,7 @@ def main() -> int:
     sim = os.path.join("/dev/shm", f"hami-sim-{uuid.uuid4().hex[:8]}")
     res: dict = {}
     os.environ["HAMI_BPF_SIM_GPU"] = sim     # the daemon reads utilization from it
-    d = Daemon(fake, extra=["--sm-limits"]).start()
+    d = Daemon(fake, extra=["--sm-limits"] + (["-v"] if os.environ.get("HAMI_SIM_VERBOSE") else [])).start()
     try:
         for kind in a.kinds.split(","):
             run_one(fake, sim, kind, f"base-{kind}-{uuid.uuid4().hex[:4]}", None, a.seconds,

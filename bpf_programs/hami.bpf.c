@@ -900,10 +900,14 @@ int uretprobe__sync_return(struct pt_regs *ctx)
 	struct hami_smuse *u = sm_use.lookup(&a.gk);
 	if (!u)
 		return 0;
-	__sync_fetch_and_add(&u->sync_ns, bpf_ktime_get_ns() - a.ts);
-	/* Racing writers may both store; the controller reads a maximum. */
-	if (a.consumed > u->completed)
+	__u64 now = bpf_ktime_get_ns();
+	__sync_fetch_and_add(&u->sync_ns, now - a.ts);
+	/* Racing writers may both store; the controller reads a maximum, and
+	 * takes a time older than the completion it last saw as "now". */
+	if (a.consumed > u->completed) {
 		u->completed = a.consumed;
+		u->completed_ns = now;
+	}
 	return 0;
 }
 

@@ -188,6 +188,7 @@ struct hami_smuse {
 			  * entry of the latest synchronize call that returned */
 	__u64 sync_ns;   /* time threads spent in synchronize calls that returned:
 			  * the host waiting for the GPU, not launching */
+	__u64 completed_ns; /* CLOCK_MONOTONIC when `completed` last advanced */
 };
 
 /* sync_at: key __u32 tid -> what was launched when a synchronize call began. */

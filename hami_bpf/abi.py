@@ -185,7 +185,7 @@ class SmGrant(ct.Structure):
 
 class SmUse(ct.Structure):
     _fields_ = [("consumed", ct.c_uint64), ("launches", ct.c_uint64), ("completed", ct.c_uint64),
-                ("sync_ns", ct.c_uint64)]
+                ("sync_ns", ct.c_uint64), ("completed_ns", ct.c_uint64)]
 
 
 class SyncAt(ct.Structure):

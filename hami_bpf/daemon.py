@@ -973,10 +973,11 @@ class Daemon:
                 if b is None:
                     b = self.budgets[key] = Budget(cap=cap, probe_s=self.probe_cost_s)
                 b.cap = cap
-                consumed, n_launch, completed, sync_ns = use.get(key, (0, 0, 0, 0))
+                consumed, n_launch, completed, sync_ns, done_ns = use.get(key, (0, 0, 0, 0, 0))
                 was_learning = b.learning
                 granted = budget_tick(b, now=now, consumed=consumed, launches=n_launch,
                                       completed=completed or None, sync_ns=sync_ns,
+                                      completed_at=done_ns / 1e9 if done_ns else None,
                                       device=share.get(key))
                 if was_learning and not b.learning:
                     self.record("throttle", f"group {group!r} device {dev}: cap {cap}% of a "

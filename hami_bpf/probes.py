@@ -522,10 +522,11 @@ class Probes:
         except KeyError:
             pass
 
-    def sm_use(self) -> dict[tuple[int, int], tuple[int, int, int, int]]:
+    def sm_use(self) -> dict[tuple[int, int], tuple[int, int, int, int, int]]:
         """(group index, device) -> (cost launched, launches, cost known
-        completed, nanoseconds its threads spent in synchronize calls)."""
-        return {(k.group, k.device): (v.consumed, v.launches, v.completed, v.sync_ns)
+        completed, nanoseconds its threads spent in synchronize calls,
+        CLOCK_MONOTONIC nanoseconds when `completed` last advanced)."""
+        return {(k.group, k.device): (v.consumed, v.launches, v.completed, v.sync_ns, v.completed_ns)
                 for k, v in self.map["sm_use"].items()}
 
     def set_graph_cost(self, cost: int) -> None:

@@ -138,12 +138,21 @@ def _sharing(b: Budget, since: float, until: float) -> bool:
 
 
 def _busy_alone(b: Budget, since: float, until: float) -> bool:
-    """The device was saturated over the span and no other group launched:
-    the GPU worked for this group throughout, so completions from before
-    its launch queue had filled count too."""
-    xs = [x for x in b.utils if since < x.t <= until and x.util is not None]
-    return (len(xs) >= 2 and sum(x.util for x in xs) / len(xs) >= SATURATED
-            and all(x.known_others <= 0 and x.others_rate <= 0 for x in xs))
+    """No other group launched on the device over the span, and the device
+    was saturated (NVML) or the group waited in synchronize calls for most
+    of it (the GPU was behind its work: NVML's average lags by up to a
+    second after an idle spell). Then the GPU worked for this group
+    throughout, and completions from before its queue had filled count too."""
+    after = [x for x in b.utils if since < x.t]
+    xs = [x for x in after if x.t <= until]
+    if len(xs) < 2 or any(x.known_others > 0 or x.others_rate > 0 for x in xs):
+        return False
+    utils = [x.util for x in xs if x.util is not None]
+    if utils and sum(utils) / len(utils) >= SATURATED:
+        return True
+    # The closing synchronize's wait is counted when it returns: at `until`.
+    last = next((x for x in after if x.t >= until), xs[-1])
+    return last.sync_s - xs[0].sync_s >= 0.5 * (until - since)
 
 
 def _steady(b: Budget, now: float) -> bool:
@@ -235,13 +244,21 @@ def _learned(b: Budget, pace: float, since: float, until: float, consumed: int) 
 
 
 def tick(b: Budget, *, now: float, consumed: int, launches: int = 0, completed: int | None = None,
-         sync_ns: int = 0, device: "DeviceView | None" = None, learn_s: float = LEARN_S,
+         completed_at: float | None = None, sync_ns: int = 0,
+         device: "DeviceView | None" = None, learn_s: float = LEARN_S,
          burst_s: float = BURST_S) -> int:
     """Advance one budget to `now` given the probes' cumulative `consumed`,
-    `completed` and `sync_ns`, and where known what the device did over the
-    last tick (`device`, from neighbours()); return the new `granted`."""
+    `completed` (and when it last advanced, `completed_at`, on the same
+    clock as `now`) and `sync_ns`, and where known what the device did over
+    the last tick (`device`, from neighbours()); return the new `granted`."""
     if completed is not None and (not b.done or completed > b.done[-1][1]):
-        b.done.append((now, completed))
+        # The probe's own time, not this tick's: a tick can be 50 ms late,
+        # 5% of a one-second span.
+        at = now
+        if completed_at is not None and (not b.done or completed_at > b.done[-1][0]) \
+                and completed_at <= now:
+            at = completed_at
+        b.done.append((at, completed))
         b.done = [(t, c) for t, c in b.done if now - t <= DONE_KEEP_S]
     if b.started is None:
         b.started = b.last_t = now

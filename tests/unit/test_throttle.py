@@ -143,29 +143,34 @@ def test_caps_a_deep_launch_queue_by_its_completions(cap):
     assert abs(achieved * 100 - cap) <= 5, (achieved, b)
 
 
-def test_a_busy_device_learns_from_the_first_window():
+@pytest.mark.parametrize("util", [100.0, 60.0, None])
+def test_a_busy_device_learns_from_the_first_window(util):
     # Warm-up, one synchronize, then a window that fills a 1.1 s launch queue
     # and a synchronize that returns ~1.1 s later. The device was busy with
     # this group alone: those two completions give its pace at once, rather
-    # than a second later (H200 matmuls settled 2.5-3.5 s in, over the 2 s target).
+    # than a second later (H200 matmuls settled 2.5-3.5 s in, over the 2 s
+    # target). NVML says so (100), or lags (60: its average still holds the
+    # idle spell before), or is absent: the wait in synchronize says so then.
     b = Budget(cap=50)
     gpu, t, dt = 1000.0, 0.0, 0.01
     tick(b, now=t, consumed=0)
-    launched, done, marks = 10.0, 0.0, []
+    launched, done, marks, sync_ns, waited = 10.0, 0.0, [], 0, 0
     sync_at = launched                      # warm-up: 10 units, then synchronize
     while b.learning and t < 3.0:
         t += dt
         done = min(launched, done + gpu * dt)
+        if sync_at is not None:
+            waited += int(dt * 1e9)
         if sync_at is not None and done >= sync_at:
             marks.append(int(sync_at))
-            sync_at = None
+            sync_at, sync_ns, waited = None, sync_ns + waited, 0   # counted on return
             window_end = t + 0.25
         elif sync_at is None and t < window_end:
             launched = min(done + gpu * 1.1, launched + gpu * 50 * dt)
         elif sync_at is None:
             sync_at = launched
         tick(b, now=t, consumed=int(launched), completed=marks[-1] if marks else None,
-             device=DeviceView(100.0, 0.0, 0.0))
+             sync_ns=sync_ns, device=DeviceView(util, 0.0, 0.0))
     assert not b.learning and b.by_completion
     assert t < 1.5, t
     assert abs(b.full_rate - gpu) / gpu < 0.05, b.full_rate
