@@ -103,7 +103,7 @@ def test_neighbours_split_known_parts_and_pass_on_unknown_rates():
 
 
 def simulate_queued_gpu(cap, seconds=8.0, gpu_rate=1000.0, queue_s=1.1, sync_every=0.25, dt=0.01,
-                        device=None):
+                        device=None, exact_times=False):
     """A host that launches as fast as the launch queue allows (queue_s of GPU
     work) and synchronizes every sync_every seconds of enqueueing, like
     bench/gpu/sm_workload.py; the GPU drains at gpu_rate. Returns the GPU's
@@ -113,17 +113,22 @@ def simulate_queued_gpu(cap, seconds=8.0, gpu_rate=1000.0, queue_s=1.1, sync_eve
     granted = tick(b, now=t, consumed=0)
     phase_start, syncing, sync_target = 0.0, False, 0.0
     completed_mark = None
+    completed_t = None
     done_at = []
-    sync_ns = 0
+    sync_ns = waited = 0
     while t < seconds:
         t += dt
         done = min(launched, done + gpu_rate * dt)
         done_at.append((t, done))
         if syncing:
-            sync_ns += int(dt * 1e9)
+            waited += int(dt * 1e9)
             if done >= sync_target:
                 syncing, phase_start = False, t
                 completed_mark = sync_target
+                # the probe's time: within the tick, before the tick's `now`;
+                # like the probe, the wait is counted when the call returns
+                completed_t = t - dt / 2
+                sync_ns, waited = sync_ns + waited, 0
         else:
             room_queue = max(0.0, done + gpu_rate * queue_s - launched)
             room_budget = max(0.0, granted - launched)
@@ -131,7 +136,8 @@ def simulate_queued_gpu(cap, seconds=8.0, gpu_rate=1000.0, queue_s=1.1, sync_eve
             if t - phase_start >= sync_every:
                 syncing, sync_target = True, launched
         granted = tick(b, now=t, consumed=int(launched), sync_ns=sync_ns, device=device,
-                       completed=None if completed_mark is None else int(completed_mark))
+                       completed=None if completed_mark is None else int(completed_mark),
+                       completed_at=completed_t if exact_times else None)
     t0, d0 = next((tt, d) for tt, d in done_at if tt >= seconds - 3.0)
     return (done - d0) / (t - t0) / gpu_rate, b
 
@@ -185,11 +191,14 @@ def test_rare_synchronizes_are_waited_for():
     assert abs(achieved * 100 - 50) <= 5, (achieved, b)
 
 
-def test_a_gpu_bound_pair_keeps_the_contention_scaling():
+@pytest.mark.parametrize("exact_times", [False, True])
+def test_a_gpu_bound_pair_keeps_the_contention_scaling(exact_times):
     # Sharing a saturated device with an equal neighbour, it waits in
     # synchronize most of the time: the GPU, not its host loop, held it back.
+    # With the probe's own completion times the span ends inside a tick,
+    # before the tick that counts the closing wait.
     _, b = simulate_queued_gpu(30, seconds=6.0, gpu_rate=500.0,
-                               device=DeviceView(100.0, 0.0, 500.0))
+                               device=DeviceView(100.0, 0.0, 500.0), exact_times=exact_times)
     assert b.contended and not b.launcher_bound
     assert abs(b.full_rate - 1000) / 1000 < 0.1, b
 
