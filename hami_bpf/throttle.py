@@ -14,8 +14,10 @@ simulated GPU, bench/sim_sm.py; docs/benchmarks.md):
    workload synchronizes (cuStreamSynchronize, cuCtxSynchronize[_v2],
    cuEventSynchronize: PyTorch does at every .item(), .cpu() and
    torch.cuda.synchronize()), the probes report `completed`: cost known done
-   on the GPU, whose rate is the GPU's real pace. Without synchronizations,
-   the launch rate after the queue has filled is the pace.
+   on the GPU, whose rate is the GPU's real pace (each completion stamped
+   with the probe's own time). Completions from before the queue filled
+   count only where the GPU was busy with this group alone. Without
+   synchronizations, the launch rate after the queue has filled is the pace.
 2. Correct F for contention. If the device was saturated while learning
    (device utilization >= SATURATED), other groups were taking part of it:
    the group's own part of the busy time, Ug (utilization attributed to it:
