@@ -203,20 +203,25 @@ def test_a_gpu_bound_pair_keeps_the_contention_scaling(exact_times):
     assert abs(b.full_rate - 1000) / 1000 < 0.1, b
 
 
+def learn_with(b, step, dt=0.05, limit=10.0):
+    """Tick b every dt until it has learned: step(n) gives the n-th tick's
+    arguments (cumulative counters, device view) except `now`."""
+    n = 0
+    tick(b, now=0.0, consumed=0)
+    while b.learning and n * dt < limit:
+        n += 1
+        tick(b, now=n * dt, **step(n))
+
+
 def test_a_launch_bound_pair_is_not_taken_for_a_gpu_bound_one():
     # Two launch-bound groups fill NVML's utilization between them, yet each
     # launches as fast as its own loop, waiting little in synchronize (H200,
     # small kernels: the first learned twice its rate, 46% for a cap of 30).
     b = Budget(cap=30)
-    t, consumed, sync_ns = 0.0, 0, 0
-    tick(b, now=t, consumed=0)
-    while b.learning and t < 10:
-        t += 0.05
-        consumed += 4000                      # 80k/s of its own loop
-        if int(round(t / 0.05)) % 5 == 0:     # a synchronize every 0.25 s, 5 ms long
-            sync_ns += 5_000_000
-        tick(b, now=t, consumed=consumed, completed=consumed - 400, sync_ns=sync_ns,
-             device=DeviceView(100.0, 0.0, 80_000.0))
+    learn_with(b, lambda n: dict(
+        consumed=4000 * n, completed=4000 * n - 400,   # 80k/s of its own loop
+        sync_ns=5_000_000 * (n // 5),                   # a synchronize every 0.25 s, 5 ms long
+        device=DeviceView(100.0, 0.0, 80_000.0)))
     assert b.contended and b.launcher_bound
     assert abs(b.full_rate - 80_000 / 0.98) / 80_000 < 0.05, b.full_rate
 
@@ -226,17 +231,16 @@ def test_a_neighbour_learning_meanwhile_restarts_the_window():
     # is held to 70% from then on, leaving this one 30%. Its pace must come
     # from after that change, split by the state after it: 30k of 100k.
     b = Budget(cap=30)
-    t, consumed, sync_ns = 0.0, 0, 0
-    tick(b, now=t, consumed=0)
-    while b.learning and t < 10:
-        t += 0.05
-        after = t > 4.5
-        consumed += 1500 if after else 2500             # 30k/s, then 50k/s before
-        view = DeviceView(100.0, 70.0, 0.0) if after else DeviceView(100.0, 0.0, 50_000.0)
-        sync = int(round(t / 0.05)) % 40 == 20          # a synchronize every 2 s (at 1, 3, ...),
-        sync_ns += 1_500_000_000 if sync else 0         # waiting 1.5 s of it for the GPU
-        tick(b, now=t, consumed=consumed, completed=consumed if sync else None,
-             sync_ns=sync_ns, device=view)
+
+    def step(n):                       # the change comes 4.5 s in (tick 90)
+        consumed = 2500 * min(n, 90) + 1500 * max(0, n - 90)   # 50k/s, then 30k/s
+        syncs = (n + 20) // 40         # a synchronize every 2 s (at 1, 3, ...),
+        last = 40 * syncs - 20         # waiting 1.5 s of each for the GPU
+        done = 2500 * min(last, 90) + 1500 * max(0, last - 90) if syncs else None
+        return dict(consumed=consumed, completed=done, sync_ns=1_500_000_000 * syncs,
+                    device=DeviceView(100.0, 70.0, 0.0) if n > 90
+                    else DeviceView(100.0, 0.0, 50_000.0))
+    learn_with(b, step)
     assert b.by_completion and b.contended
     assert abs(b.pace - 30_000) / 30_000 < 0.05, b.pace
     assert abs(b.full_rate - 100_000) / 100_000 < 0.1, b.full_rate
