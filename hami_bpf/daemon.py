@@ -275,6 +275,7 @@ class ProcInfo:
     ns_pid: int | None
     state: str = "running"
     labels: dict[str, str] = field(default_factory=dict)   # pod labels (containers.PodRef.labels)
+    cvd: str | None = None     # its CUDA_VISIBLE_DEVICES (limits are per visible index)
 
 
 class Daemon:
@@ -309,6 +310,7 @@ class Daemon:
         self.libs: list[Path] = []
         self.policy = None
         self._stop = threading.Event()
+        self._reload = threading.Event()
         self._snap = Snapshot.empty()
         self._dirty = True
         self.probes = None
@@ -759,11 +761,71 @@ class Daemon:
                 live = {p.key.pid for p in self.table.processes()} | self.probes.bpf_procs()
                 self.probes.sweep(live)
                 last_sweep = now
+            if self._reload.is_set():
+                self._reload.clear()
+                self.reload_policy()
             if self._dirty or self.cfg.count_launches or self.sm_caps:
                 self._rebuild_snapshot()
 
     def stop(self) -> None:
         self._stop.set()
+
+    def request_reload(self) -> None:
+        """SIGHUP: the loop re-reads --policy at its next turn."""
+        self._reload.set()
+
+    def reload_policy(self) -> None:
+        """Re-read --policy (same ownership and syntax checks as at start) and
+        work every group's limits out again from it and its members'
+        environments: a policy can now raise a limit as well as lower it,
+        members still only lower. A file that fails a check changes nothing."""
+        if not self.cfg.policy:
+            self.record("config", "SIGHUP: no --policy to reload")
+            return
+        old = self.policy
+        try:
+            self._load_policy()
+        except DaemonError as e:
+            self.policy = old
+            self.record("error", f"reloading policy: {e}; the previous policy stays in force")
+            return
+        self.counters["policy_reloads"] += 1
+        for g in self.table.groups():
+            self._recompute_limits(g.name)
+        self._sync_launch_probes()
+        self.record("config", f"policy {self.cfg.policy} reloaded", policy=str(self.cfg.policy))
+        self._dirty = True
+
+    def _recompute_limits(self, group: str) -> None:
+        g = self.table.group(group)
+        if g is None:
+            return
+        old_limits = dict(self.table.limits(group))
+        old_caps = self.sm_caps.pop(group, {})
+        self.sched.pop(group, None)
+        for dev in old_limits:
+            self.table.apply(GroupLimitSet(group, dev, None))
+        for key in g.slots:
+            info = self.info.get(key.pid)
+            self._apply_limits(group, g.index, key.pid, info.cvd if info else None)
+        limits = self.table.limits(group)
+        for dev in set(old_limits) | set(limits):
+            if limits.get(dev) != old_limits.get(dev):
+                self._sync_bpf_limit(group, dev)
+                if limits.get(dev) is None:
+                    self.record("limit", f"group {group!r} device {dev}: no memory limit",
+                                group=group, device=dev, limit=None)
+        caps = self.sm_caps.get(group, {})
+        for dev in set(old_caps) - set(caps):
+            # Count only from now on; a learned budget would be stale anyway.
+            key = (g.index, dev)
+            self.budgets.pop(key, None)
+            self.lending.discard(key)
+            self.probes.set_sm_grant(g.index, dev, 0, False)
+            self.record("limit", f"group {group!r} device {dev}: no SM cap", group=group,
+                        device=dev, sm=None)
+        if group in self.throttled and not caps:
+            self._resume_group(group)
 
     def shutdown(self) -> None:
         """Every exit path: nobody may be left stopped, every probe detached."""
@@ -858,7 +920,8 @@ class Daemon:
         group = group_of(pid, self.group_by, env) if st is not None else "(exited)"
         key = ProcKey(pid, st if st is not None else 0)
         pod = containers.describe(pid, names=self.pod_names, env=env).pod if st is not None else None
-        self.info[pid] = ProcInfo(limits, phys, ns_pid(pid), labels=pod.labels() if pod else {})
+        self.info[pid] = ProcInfo(limits, phys, ns_pid(pid), labels=pod.labels() if pod else {},
+                                  cvd=cvd)
         actions = self.table.apply(ProcessRegistered(key, group, comm or proc_comm(pid), ts_ns))
         self._act(actions, new_pid=pid if not existing else None, existing=existing)
         view = self.table.process(pid)
@@ -1427,6 +1490,7 @@ def run(cfg: DaemonConfig) -> None:
         d.stop()
 
     old = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    old[signal.SIGHUP] = signal.signal(signal.SIGHUP, lambda signum, frame: d.request_reload())
     try:
         d.start()
         d.loop()
