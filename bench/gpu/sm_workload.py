@@ -22,6 +22,10 @@ def main():
     ap.add_argument("--seconds", type=float, default=6.0)
     ap.add_argument("--settle", type=float, default=2.0)
     ap.add_argument("--label", default="")
+    ap.add_argument("--mark-at", type=float, default=None,
+                    help="create --mark-file once this many seconds of windows have run "
+                         "(sm_inproc.sh then gives the group its cap)")
+    ap.add_argument("--mark-file", default=None)
     a = ap.parse_args()
     dev = torch.device("cuda")
     if a.kind == "matmul":
@@ -71,6 +75,9 @@ def main():
         torch.cuda.synchronize()
         t1 = time.monotonic()
         windows.append((round(t0 - t_start, 3), n * work / (t1 - t0)))
+        if a.mark_at is not None and a.mark_file and t1 - t_start >= a.mark_at:
+            open(a.mark_file, "a").close()
+            a.mark_at = None
     steady = [v for t, v in windows if t >= a.settle]
     print(json.dumps({"label": a.label, "kind": a.kind, "pid": os.getpid(),
                       "sm_limit": os.environ.get("CUDA_DEVICE_SM_LIMIT"),

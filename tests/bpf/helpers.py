@@ -20,12 +20,13 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
 
-from hami_bpf.fakecuda import CudaProc, FakeCuda
+from hami_bpf.fakecuda import CudaProc, FakeCuda, FakeCudaError
 from hami_bpf.server import ServerError, query
 
 READY_TIMEOUT = 60.0
@@ -551,3 +552,41 @@ def percentile(values: Sequence[float], q: float) -> float:
     s = sorted(values)
     k = max(0, min(len(s) - 1, int(-(-q * len(s) // 100)) - 1))
     return s[k]
+
+
+def state(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
+class Sampled:
+    """A stand-in command running in the background; the states of its
+    process (and of `watch`) are sampled every 5 ms meanwhile."""
+
+    def __init__(self, p: CudaProc, command: str, watch: tuple[int, ...] = ()):
+        self.p, self.reply, self.samples = p, None, []
+        self.watch = (p.pid,) + tuple(watch)
+        p.send(command)
+        self.t = threading.Thread(target=self._wait)
+        self.t.start()
+
+    def _wait(self):
+        try:
+            self.reply = self.p.reply(timeout=120)
+        except FakeCudaError as e:   # the test killed it
+            self.reply = {"error": str(e)}
+
+    def sample_until_done(self):
+        while self.t.is_alive():
+            self.samples.append(tuple(state(pid) for pid in self.watch))
+            time.sleep(0.005)
+        self.t.join()
+        return self.samples
+
+
+def Launching(p: CudaProc, n: int, watch: tuple[int, ...] = ()) -> Sampled:
+    """`launch N` in the background, sampling the process states meanwhile."""
+    return Sampled(p, f"launch {n}", watch)

@@ -7,7 +7,8 @@ import signal
 
 from hami_bpf.fakecuda import build
 
-from helpers import Daemon, Tracked, converge, finish_daemon, gname, wait_for, write_policy
+from helpers import (Daemon, Launching, Tracked, converge, finish_daemon, gname, wait_for,
+                     write_policy)
 
 MiB = 1 << 20
 OOM = 2
@@ -33,7 +34,8 @@ def test_sighup_reloads_the_policy(tmp_path):
     policy = write_policy(tmp_path / "policy.toml", f'[[group]]\nmatch = "{g}"\nmemory = "64Mi"\n')
     d = Daemon(fake, policy=policy).start()
     try:
-        with Tracked.spawn(fake, g) as t:
+        # Launches busy-wait 3 us: a launch loop looks GPU-bound (test_smlimit.py).
+        with Tracked.spawn(fake, g, env={"FAKECUDA_LAUNCH_NS": "3000"}) as t:
             t.alloc("alloc 1M", 0)
             converge(d, [t])
             assert limit_of(d, t.pid) == 64 * MiB
@@ -47,6 +49,10 @@ def test_sighup_reloads_the_policy(tmp_path):
             t.alloc("alloc 100M", 0)
             wait_for(lambda: None if launch_probes(d) > 0 else "no launch probe",
                      what="launch probes for the new SM cap")
+            # ... and holds the running process to it (learning waits 3 s).
+            run = Launching(t.proc, 1600000)
+            assert any(s[0] == "T" for s in run.sample_until_done()), "never held to the new cap"
+            assert run.reply["rc"] == "0", run.reply
 
             # A file that fails a check (world-writable) changes nothing.
             write_policy(policy, f'[[group]]\nmatch = "{g}"\nmemory = "1Mi"\n')
@@ -64,6 +70,8 @@ def test_sighup_reloads_the_policy(tmp_path):
             wait_for(lambda: None if launch_probes(d) == 0 else "launch probes still attached",
                      what="launch probes detached with the last SM cap")
             t.alloc("alloc 200M", 0)
+            run = Launching(t.proc, 200000)
+            assert all(s[0] != "T" for s in run.sample_until_done()), "held without a cap"
             assert d.proc.poll() is None, "daemon died"
     finally:
         finish_daemon(d)

@@ -8,25 +8,17 @@ or not); throughput ratios are measured by bench/, not here.
 from __future__ import annotations
 
 import signal
-import threading
 import time
 
 import pytest
 
-from hami_bpf.fakecuda import CudaProc, FakeCudaError, build
-from helpers import Daemon, Tracked, finish_daemon, gname, stopped_pids, wait_for
+from hami_bpf.fakecuda import CudaProc, build
+from helpers import (Daemon, Launching, Tracked, finish_daemon, gname, state, stopped_pids,
+                     wait_for)
 
 pytestmark = pytest.mark.bpf
 
 LAUNCH_NS = "3000"
-
-
-def state(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return None
 
 
 def spawn(fake, group: str, sm: int | None = None, **extra) -> CudaProc:
@@ -34,30 +26,6 @@ def spawn(fake, group: str, sm: int | None = None, **extra) -> CudaProc:
     if sm is not None:
         env["CUDA_DEVICE_SM_LIMIT"] = str(sm)
     return Tracked.spawn(fake, group, env=env).proc
-
-
-class Launching:
-    """`launch N` in the background, sampling the process states meanwhile."""
-
-    def __init__(self, p: CudaProc, n: int, watch: tuple[int, ...] = ()):
-        self.p, self.reply, self.samples = p, None, []
-        self.watch = (p.pid,) + tuple(watch)
-        p.send(f"launch {n}")
-        self.t = threading.Thread(target=self._wait)
-        self.t.start()
-
-    def _wait(self):
-        try:
-            self.reply = self.p.reply(timeout=120)
-        except FakeCudaError as e:   # the test killed it
-            self.reply = {"error": str(e)}
-
-    def sample_until_done(self):
-        while self.t.is_alive():
-            self.samples.append(tuple(state(pid) for pid in self.watch))
-            time.sleep(0.005)
-        self.t.join()
-        return self.samples
 
 
 def launch_probes(d: Daemon) -> int:

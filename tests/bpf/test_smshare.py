@@ -18,9 +18,9 @@ import uuid
 
 import pytest
 
-from hami_bpf.fakecuda import CudaProc, FakeCudaError, build
+from hami_bpf.fakecuda import CudaProc, build
 from hami_bpf.server import query
-from helpers import Daemon, Tracked, finish_daemon, gname, wait_for
+from helpers import Daemon, Sampled, Tracked, finish_daemon, gname, wait_for
 
 pytestmark = pytest.mark.bpf
 
@@ -97,33 +97,6 @@ def test_two_groups_30_70_each_get_their_share(tmp_path, sim):
         finish_daemon(d)
 
 
-class Sampler:
-    """States of a pid, sampled every 5 ms while a command runs."""
-
-    def __init__(self, p: CudaProc, command: str):
-        self.p, self.samples, self.reply = p, [], None
-        p.send(command)
-        self.t = threading.Thread(target=self._wait)
-        self.t.start()
-
-    def _wait(self):
-        try:
-            self.reply = self.p.reply(timeout=120)
-        except FakeCudaError as e:
-            self.reply = {"error": str(e)}
-
-    def run(self) -> list[str]:
-        while self.t.is_alive():
-            try:
-                with open(f"/proc/{self.p.pid}/stat") as f:
-                    self.samples.append(f.read().rsplit(")", 1)[1].split()[0])
-            except OSError:
-                pass
-            time.sleep(0.005)
-        self.t.join()
-        return self.samples
-
-
 def test_lending_low_priority_runs_free_until_high_priority_is_busy(tmp_path, sim):
     fake = build(tmp_path / "lib")
     d = Daemon(fake, extra=["--sm-limits", "--sm-lend-idle"]).start()
@@ -139,17 +112,16 @@ def test_lending_low_priority_runs_free_until_high_priority_is_busy(tmp_path, si
         groups = {g["id"]: g for g in d.snapshot()["groups"]}
         assert groups[low_group]["priority"] == 1 and groups[high_group]["priority"] == 0
         # High priority registered but idle: the low group uses what is free.
-        alone = Sampler(low, "bench launch 1000 4 2000")
-        states = alone.run()
+        alone = Sampled(low, "bench launch 1000 4 2000")
+        states = [s[0] for s in alone.sample_until_done()]
         assert alone.reply["rc"] == "0", alone.reply
         assert "T" not in states, "held to its cap while nothing of higher priority was busy"
         assert float(alone.reply["steady"]) > 0.6 * FULL, alone.reply
         # High priority busy: the low group is held to its cap.
-        busy = Sampler(high, "bench launch 1000 8 0")
+        busy = Sampled(high, "bench launch 1000 8 0")
         time.sleep(0.5)
-        held = Sampler(low, "bench launch 1000 6 2000")
-        states = held.run()
-        busy.run()
+        states = [s[0] for s in Sampled(low, "bench launch 1000 6 2000").sample_until_done()]
+        busy.sample_until_done()
         assert "T" in states, f"never held while high priority was busy\n{d.log()[-2000:]}"
         events = [e["message"] for e in query(d.socket, "events", since=0)["events"]]
         assert any("held to its cap again" in m for m in events), events
