@@ -265,6 +265,14 @@ def choose_mechanisms(feats, oom_action: str = "auto") -> tuple[str, str]:
     return want, meminfo
 
 
+def sm_mechanism(feats) -> str:
+    """How SM caps are enforced on this kernel (doctor's report)."""
+    if not feats.send_signal:
+        return "off: the kernel refuses bpf_send_signal, nothing can hold a launch"
+    return ("launch uprobes charge a per-group budget, bpf_send_signal(SIGSTOP) holds "
+            "the group when spent; attached with the first cap")
+
+
 # --- the controller ------------------------------------------------------------
 
 @dataclass

@@ -436,5 +436,7 @@ def test_doctor_json_features():
     assert isinstance(feats, dict), f"features is {type(feats).__name__}: {feats!r}"
     assert feats["send_signal"] is True
     assert feats["reg_write"] is False
+    # send_signal is what SM caps need: doctor names the mechanism.
+    assert doctor_json()["mechanisms"]["sm"].startswith("launch uprobes"), doctor_json()["mechanisms"]
     if lockdown_mode() in ("integrity", "confidentiality"):
         assert feats["probe_write_user"] is False
