@@ -119,9 +119,11 @@ class Budget:
 def _recent_done(b: Budget, now: float) -> list[tuple[float, int]]:
     """The completions of about the last DONE_WINDOW_S; where a workload
     synchronizes less often than that (a batch of large matmuls, then one
-    synchronize: every 1-2 s on the H200), the last two, however old."""
+    synchronize: every 1-2 s on the H200), the last two of DONE_KEEP_S."""
     recent = [(t, c) for t, c in b.done if now - t <= DONE_WINDOW_S + 0.5]
-    return recent if len(recent) >= 2 else b.done[-2:]
+    if len(recent) >= 2:
+        return recent
+    return [(t, c) for t, c in b.done if now - t <= DONE_KEEP_S][-2:]
 
 
 def completion_span(b: Budget, now: float) -> tuple[float, float, float] | None:

@@ -2,7 +2,7 @@
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from hami_bpf.throttle import LEARN_MAX_S, Budget, DeviceView, neighbours, tick
+from hami_bpf.throttle import LEARN_MAX_S, Budget, DeviceView, completion_rate, neighbours, tick
 
 
 def run(b, rate_fn, seconds, dt=0.05, device_fn=None, start=0.0, consumed=0):
@@ -344,3 +344,15 @@ def test_completions_are_preferred_as_soon_as_they_come():
             break
     assert not b.learning and b.by_completion
     assert abs(b.full_rate - 1000) / 1000 < 0.1
+
+
+def test_a_group_that_stopped_synchronizing_has_no_completion_rate():
+    # Neighbours take a known group's part from its completion rate: one
+    # from completions long gone would be a guess, not a measurement.
+    b = Budget(cap=50)
+    tick(b, now=0.0, consumed=0)
+    tick(b, now=1.0, consumed=1000, completed=500)
+    tick(b, now=2.0, consumed=2000, completed=1500)
+    assert completion_rate(b, 2.0) == pytest.approx(1000)
+    tick(b, now=20.0, consumed=3000)
+    assert completion_rate(b, 20.0) is None
