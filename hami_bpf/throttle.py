@@ -197,6 +197,14 @@ def _host_rate(b: Budget, since: float, until: float) -> float | None:
     return (c1 - c0) / own
 
 
+def _waited(samples: list[Sample]) -> bool:
+    """The group spent most of the samples' span in synchronize calls: the
+    GPU, not its launcher, set its pace (NVML's average can still read low
+    after an idle spell), so the launch probe cost it nothing that counts."""
+    first, last = samples[0], samples[-1]
+    return last.t > first.t and last.sync_s - first.sync_s >= 0.5 * (last.t - first.t)
+
+
 def _probe_share(b: Budget, samples: list[Sample], *, own: bool) -> float:
     """The part of the launcher's time (of its own time, outside synchronize
     calls, if `own`) that the launch probe took over the samples."""
@@ -239,7 +247,7 @@ def _learned(b: Budget, pace: float, since: float, until: float, consumed: int) 
                 b.launcher_bound = True
                 b.probe_share = _probe_share(b, samples, own=True)
                 b.full_rate = max(pace, b.host_ceiling / (1.0 - b.probe_share))
-        elif ud < SATURATED and b.probe_s > 0 and len(samples) > 1:
+        elif ud < SATURATED and b.probe_s > 0 and len(samples) > 1 and not _waited(samples):
             # The device had room: the launcher, not the GPU, set the pace,
             # and the probe's trap took part of each launch. Without probes
             # (uncapped) it would run that much faster; caps are shares of that.

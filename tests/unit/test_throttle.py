@@ -356,3 +356,15 @@ def test_a_group_that_stopped_synchronizing_has_no_completion_rate():
     assert completion_rate(b, 2.0) == pytest.approx(1000)
     tick(b, now=20.0, consumed=3000)
     assert completion_rate(b, 20.0) is None
+
+
+def test_a_launcher_waiting_on_the_gpu_gets_no_probe_credit():
+    # NVML reads low (its average still holds an idle spell), but the group
+    # waited in synchronize most of the time: the GPU set its pace.
+    b = Budget(cap=50, probe_s=2e-6)
+    learn_with(b, lambda n: dict(
+        consumed=5000 * n, launches=5000 * n, completed=5000 * (n - n % 5) or None,
+        sync_ns=40_000_000 * n,                # 40 of every 50 ms in synchronize
+        device=DeviceView(30.0, 0.0, 0.0)))
+    assert not b.learning and b.probe_share == 0.0
+    assert abs(b.full_rate - 100_000) / 100_000 < 0.05, b.full_rate
