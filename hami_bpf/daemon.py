@@ -29,7 +29,8 @@ from .limits import (HAMI_DEFAULT_PRIORITY, EnvLimits, PolicyError, effective_li
                      visible_to_physical)
 from .metrics import observe_exit_latency
 from .slots import SlotTable
-from .throttle import BUSY_S, UNLIMITED, Budget, held_to_cap, neighbours, tick as budget_tick
+from .throttle import (BUSY_S, UNLIMITED, Budget, Completions, completion_rate, held_to_cap,
+                       neighbours, tick as budget_tick)
 from .snapshot import (SCHEMA_VERSION, DeviceInfo, DeviceUsage, EventRecord, GroupInfo, ProcessInfo,
                        SlotInfo, Snapshot)
 
@@ -37,6 +38,7 @@ log = logging.getLogger("hami_bpf")
 
 POLL_MS = 100
 THROTTLE_TICK_S = 0.05
+UNPACED_S = 2.0     # a neighbour that launched this recently and has no pace yet: wait
 HELD_TICK_S = 0.005
 MAX_HOLD_S = 0.25          # no group is held longer than this, budget or not
 RESUME_MARGIN_S = 0.02
@@ -305,6 +307,9 @@ class Daemon:
         self.throttled: dict[str, set[int]] = {}
         self.throttle_since: dict[str, float] = {}
         self._prev_use: dict[tuple[int, int], tuple[float, int]] = {}
+        # Every (group, device)'s completions while some budget learns, for
+        # splitting a shared device by what each group got done.
+        self._done: dict[tuple[int, int], Completions] = {}
         self.last_throttled: dict[str, float] = {}
         self._sm_unenforced: set[str] = set()
         self.sm_share: dict[tuple[int, int], float | None] = {}
@@ -1031,8 +1036,18 @@ class Daemon:
         if learning:
             util = self.devices.utilization() if self.devices.has_utilization else {}
             known = {k: b for k, b in self.budgets.items() if not b.learning}
+            done_rates = {}
+            for key, (_c, _n, completed, _s, done_ns) in use.items():
+                track = self._done.setdefault(key, Completions())
+                track.note(now, completed or None, done_ns / 1e9 if done_ns else None)
+                done_rates[key] = completion_rate(track, now)
+            # Busy lately, yet no completions to pace it by: a group blocked
+            # on its full launch queue, or one that never synchronizes.
+            unpaced = frozenset(k for k in use if done_rates.get(k) is None and k not in known
+                                and now - self._last_busy.get(k, -1e9) <= UNPACED_S)
             for dev, r in rates.items():
-                share.update(neighbours(util.get(dev), r, known, now))
+                share.update(neighbours(util.get(dev), r, known, now, done_rates,
+                                        frozenset(k for k in unpaced if k[1] == dev)))
         for group, caps in list(self.sm_caps.items()):
             g = self.table.group(group)
             if g is None:
@@ -1211,7 +1226,7 @@ class Daemon:
                 self.throttle_since.pop(a.name, None)
                 # Everything kept per (group index, device): the index is reused.
                 for per_key in (self.budgets, self._prev_use, self.sm_share, self._last_busy,
-                                self._budget_logged):
+                                self._budget_logged, self._done):
                     for key in [k for k in per_key if k[0] == a.index]:
                         del per_key[key]
                 self.lending = {k for k in self.lending if k[0] != a.index}

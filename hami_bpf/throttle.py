@@ -78,6 +78,7 @@ class Sample(NamedTuple):
     others_rate: float          # the other neighbours' launched cost per second
     launches: int               # this group's launches so far
     sync_s: float = 0.0         # this group's threads' time in synchronize calls so far
+    others_unpaced: bool = False  # another group busy here whose pace is not known yet
 
 
 @dataclass
@@ -149,7 +150,8 @@ def _busy_alone(b: Budget, since: float, until: float) -> bool:
     throughout, and completions from before its queue had filled count too."""
     after = [x for x in b.utils if since < x.t]
     xs = [x for x in after if x.t <= until]
-    if len(xs) < 2 or any(x.known_others > 0 or x.others_rate > 0 for x in xs):
+    if len(xs) < 2 or any(x.known_others > 0 or x.others_rate > 0 or x.others_unpaced
+                          for x in xs):
         return False
     utils = [x.util for x in xs if x.util is not None]
     if utils and sum(utils) / len(utils) >= SATURATED:
@@ -230,7 +232,8 @@ def _learned(b: Budget, pace: float, since: float, until: float, consumed: int) 
         n = len(samples)
         ud = sum(x.util for x in samples) / n
         known = sum(x.known_others for x in samples) / n
-        mine = sum(x.rate for x in samples)
+        # In the neighbours' terms (completions where they synchronize).
+        mine = pace * n if b.by_completion else sum(x.rate for x in samples)
         theirs = sum(x.others_rate for x in samples)
         left = max(0.0, ud - known)
         ug = left * mine / (mine + theirs) if mine + theirs > 0 else left
@@ -268,14 +271,7 @@ def tick(b: Budget, *, now: float, consumed: int, launches: int = 0, completed: 
     `completed` (and when it last advanced, `completed_at`, on the same
     clock as `now`) and `sync_ns`, and where known what the device did over
     the last tick (`device`, from neighbours()); return the new `granted`."""
-    if completed is not None and (not b.done or completed > b.done[-1][1]):
-        # The probe's own time, not this tick's: a tick can be 50 ms late,
-        # 5% of a one-second span.
-        at = now
-        if completed_at is not None and (not b.done or completed_at > b.done[-1][0]) \
-                and completed_at <= now:
-            at = completed_at
-        b.done.append((at, completed))
+    if note_done(b.done, now, completed, completed_at):
         b.done = [(t, c) for t, c in b.done if now - t <= DONE_KEEP_S]
     if b.started is None:
         b.started = b.last_t = now
@@ -302,7 +298,8 @@ def tick(b: Budget, *, now: float, consumed: int, launches: int = 0, completed: 
                 # the later group learned 3x its pace).
                 b.fresh_since = now
             b.utils.append(Sample(now, device.util, device.known_others, rate_seen,
-                                  device.unknown_others_rate, launches, sync_ns / 1e9))
+                                  device.unknown_others_rate, launches, sync_ns / 1e9,
+                                  device.others_unpaced))
         b.ticks.append((now, consumed, sync_ns / 1e9))
         while now - b.ticks[0][0] > TICKS_KEEP_S:
             b.ticks.popleft()
@@ -317,10 +314,14 @@ def tick(b: Budget, *, now: float, consumed: int, launches: int = 0, completed: 
         span = completion_span(b, now)
         if span and (span[1] >= since or (b.fresh_since <= span[1]
                                           and _busy_alone(b, span[1], span[2]))):
-            if _sharing(b, span[1], span[2]) and not _steady(b, now) and active < LEARN_SHARED_S:
+            if active < LEARN_SHARED_S and (
+                    (_sharing(b, span[1], span[2]) and not _steady(b, now))
+                    or any(x.others_unpaced for x in b.utils if span[1] < x.t <= span[2])):
                 # Arriving next to another group, the first second is a
                 # transient (this group's queue fill runs ahead of the other's
-                # work, or behind it): wait until the pace holds still.
+                # work, or behind it): wait until the pace holds still, and
+                # until every busy neighbour's own pace is known: one blocked
+                # on its full queue launches nothing, yet holds the device.
                 return b.granted
             b.by_completion = True
             return _learned(b, span[0], span[1], span[2], consumed)
@@ -356,22 +357,55 @@ def tick(b: Budget, *, now: float, consumed: int, launches: int = 0, completed: 
     return b.granted
 
 
+@dataclass
+class Completions:
+    """When the work of one (group, device) was known done: its GPU-side
+    pace (completion_rate works on it as on a Budget)."""
+    done: list = field(default_factory=list)    # (time, completed)
+
+    def note(self, now: float, completed: int | None, completed_at: float | None) -> None:
+        note_done(self.done, now, completed, completed_at)
+        self.done[:] = [(t, c) for t, c in self.done if now - t <= DONE_KEEP_S]
+
+
+def note_done(done: list, now: float, completed: int | None, completed_at: float | None) -> bool:
+    """Append (time, completed) if it advanced; the time is the probe's own
+    (`completed_at`, same clock as `now`) where it is plausible: a tick can
+    be 50 ms late, 5% of a one-second span."""
+    if completed is None or (done and completed <= done[-1][1]):
+        return False
+    at = now
+    if completed_at is not None and (not done or completed_at > done[-1][0]) and completed_at <= now:
+        at = completed_at
+    done.append((at, completed))
+    return True
+
+
 @dataclass(frozen=True)
 class DeviceView:
     """One device over one tick, as one group sees it."""
     util: float | None          # device utilization, percent
     known_others: float         # percent taken by other groups whose w is known
     unknown_others_rate: float  # cost units/s launched by the other groups
+    others_unpaced: bool = False  # another group was busy here lately, pace not known yet
 
 
 def neighbours(device_util: float | None, rates: dict, known: dict,
-               now: float | None = None) -> dict:
+               now: float | None = None, done_rates: dict | None = None,
+               unpaced: frozenset = frozenset()) -> dict:
     """{key: cost rate over the last tick} of the groups on one device ->
     {key: DeviceView}. A group whose device time per unit is known (`known`:
     {key: Budget}) takes rate x w of the device, where its rate is what it
     completed if it synchronizes (what it launched can run ahead of what the
-    device gives it while others contend); the others' launch rates are
-    passed on, for a learning group to split what is left by cost."""
+    device gives it while others contend); the others' rates are passed on,
+    for a learning group to split what is left by cost: what they completed
+    where they synchronize (`done_rates`), else what they launched. A group
+    blocked on its full launch queue launches nothing for a while, yet the
+    device is busy with its work all along (in the simulator a 70% group
+    learned half the device as its whole, so). `unpaced`: keys busy here
+    lately whose pace is known neither way yet."""
+    done_rates = done_rates or {}
+    rates = {k: (done_rates.get(k) or r) for k, r in rates.items()}
     parts = {}
     for k, r in rates.items():
         if k in known and now is not None and known[k].by_completion:
@@ -384,7 +418,8 @@ def neighbours(device_util: float | None, rates: dict, known: dict,
         out[k] = DeviceView(
             device_util,
             sum(p for j, p in parts.items() if j != k),
-            sum(r for j, r in rates.items() if j != k and j not in parts))
+            sum(r for j, r in rates.items() if j != k and j not in parts),
+            any(j != k and j not in parts for j in unpaced))
     return out
 
 

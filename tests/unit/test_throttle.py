@@ -368,3 +368,31 @@ def test_a_launcher_waiting_on_the_gpu_gets_no_probe_credit():
         device=DeviceView(30.0, 0.0, 0.0)))
     assert not b.learning and b.probe_share == 0.0
     assert abs(b.full_rate - 100_000) / 100_000 < 0.05, b.full_rate
+
+
+def test_a_neighbour_blocked_on_its_queue_still_counts_by_what_it_completes():
+    # It launched nothing this tick (its queue is full), yet the device is
+    # busy with its work: a learning group must not take the device as its own.
+    v = neighbours(100.0, {"me": 50_000.0, "blocked": 0.0}, {}, now=1.0,
+                   done_rates={"blocked": 50_000.0, "me": 50_000.0})
+    assert v["me"].unknown_others_rate == 50_000.0
+    assert neighbours(100.0, {"me": 5.0, "idle": 0.0}, {}, now=1.0,
+                      done_rates={"idle": None})["me"].unknown_others_rate == 0.0
+
+
+def test_waits_while_a_busy_neighbour_has_no_pace_yet():
+    # The neighbour filled its queue and blocks: it launches nothing and has
+    # not synchronized yet, so nothing says how much of the device it holds
+    # (the simulator: a 70% group learned half the device as its whole).
+    b = Budget(cap=70)
+    unpaced_until = 2.0
+
+    def step(n):
+        t = n * 0.05
+        return dict(consumed=2500 * n, completed=2500 * (n - n % 5) or None,
+                    sync_ns=40_000_000 * n,      # GPU-bound: mostly waiting
+                    device=DeviceView(100.0, 0.0, 50_000.0 if t >= unpaced_until else 0.0,
+                                      others_unpaced=t < unpaced_until))
+    learn_with(b, step)
+    # Not from a span that still had the unpaced neighbour in it: split 50/50.
+    assert not b.learning and b.contended and abs(b.full_rate - 100_000) / 100_000 < 0.1, b.full_rate
