@@ -41,8 +41,7 @@ KINDS = {
 def run_one(fake, sim: str, kind: str, group: str, cap: int | None, seconds: int,
             settle_ms: int, out: dict, label: str) -> None:
     cmd, env = KINDS[kind]
-    env = {**env, "FAKECUDA_GPU_SIM": sim, "FAKECUDA_DEVICES": "1", "HAMI_GROUP": group,
-           "FAKECUDA_SWITCH_NS": os.environ.get("FAKECUDA_SWITCH_NS", "0")}
+    env = {**env, "FAKECUDA_GPU_SIM": sim, "FAKECUDA_DEVICES": "1", "HAMI_GROUP": group}
     if cap is not None:
         env["CUDA_DEVICE_SM_LIMIT"] = str(cap)
     with CudaProc(fake, env=env) as p:
@@ -64,11 +63,7 @@ def main() -> int:
     ap.add_argument("--pair-skew", type=float, default=0.0,
                     help="start the pair's second group this many seconds after the first")
     ap.add_argument("--windows", action="store_true", help="print every window's rate")
-    ap.add_argument("--switch-ns", type=int, default=0,
-                    help="device time a launch costs more behind another process's work "
-                         "(time-slicing; 100000 with 1 ms kernels ~ the H200's 11%%)")
     a = ap.parse_args()
-    os.environ["FAKECUDA_SWITCH_NS"] = str(a.switch_ns)
     fake = build()
     sim = os.path.join("/dev/shm", f"hami-sim-{uuid.uuid4().hex[:8]}")
     res: dict = {}

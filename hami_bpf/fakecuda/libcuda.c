@@ -153,19 +153,13 @@ static unsigned long long g_launches;
  * processes that keep their queues full share the device evenly; synchronize
  * calls sleep until the process's last launch is done.  Without the variable
  * launches take no device time and synchronize returns at once.
- * FAKECUDA_SWITCH_NS (default 0) models time-slicing between contexts: a
- * launch queued behind another process's unfinished work costs that much
- * more device time (two matmul processes on one H200 get ~89% of it between
- * them: docs/facts.md).
  */
 struct gpu_sim {
     unsigned long long busy_until[MAX_DEVICES]; /* the device's queue ends at (CLOCK_MONOTONIC ns) */
     unsigned long long busy_ns[MAX_DEVICES];    /* device time ever queued */
-    unsigned long long last_pid[MAX_DEVICES];   /* whose work ends the queue (after the two above:
-                                                 * sim.py reads them at fixed offsets) */
 };
 static struct gpu_sim *g_sim;
-static unsigned long long g_ns_per_block, g_graph_ns, g_queue_ns, g_switch_ns;
+static unsigned long long g_ns_per_block, g_graph_ns, g_queue_ns;
 static unsigned long long g_last_end[MAX_DEVICES]; /* this process's last launch done at */
 static struct CUctx_st g_primary[MAX_DEVICES];
 static struct alloc *g_table[NBUCKETS];
@@ -199,7 +193,6 @@ static void load_config(void)
     g_ns_per_block = env_ull("FAKECUDA_NS_PER_BLOCK", 1000);
     g_graph_ns = env_ull("FAKECUDA_GRAPH_NS", 50000);
     g_queue_ns = env_ull("FAKECUDA_QUEUE_NS", 500000000ULL);
-    g_switch_ns = env_ull("FAKECUDA_SWITCH_NS", 0);
     const char *sim = getenv("FAKECUDA_GPU_SIM");
     if (sim && *sim) {
         int fd = open(sim, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
@@ -408,21 +401,17 @@ static void sim_launch(int dev, unsigned long long ns)
         now = mono_ns();
         ring_retire(now);
     }
-    unsigned long long old = __atomic_load_n(&g_sim->busy_until[dev], __ATOMIC_ACQUIRE), end, cost;
-    unsigned long long me = (unsigned long long)getpid();
+    unsigned long long old = __atomic_load_n(&g_sim->busy_until[dev], __ATOMIC_ACQUIRE), end;
     do {
-        unsigned long long prev = __atomic_load_n(&g_sim->last_pid[dev], __ATOMIC_RELAXED);
-        cost = ns + (g_switch_ns && old > now && prev != me ? g_switch_ns : 0);
-        end = (old > now ? old : now) + cost;
+        end = (old > now ? old : now) + ns;
     } while (!__atomic_compare_exchange_n(&g_sim->busy_until[dev], &old, end, 0,
                                           __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE));
-    __atomic_store_n(&g_sim->last_pid[dev], me, __ATOMIC_RELAXED);
-    __atomic_add_fetch(&g_sim->busy_ns[dev], cost, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&g_sim->busy_ns[dev], ns, __ATOMIC_RELAXED);
     unsigned tail = (g_ring_head + g_ring_len) % SIM_RING;
     g_ring[tail].end = end;
-    g_ring[tail].ns = cost;
+    g_ring[tail].ns = ns;
     g_ring_len++;
-    g_pending_ns += cost;
+    g_pending_ns += ns;
     if (end > g_last_end[dev])
         g_last_end[dev] = end;
     pthread_mutex_unlock(&g_ring_lock);
