@@ -26,6 +26,7 @@ import uuid
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
 
+from hami_bpf.enforce import proc_state
 from hami_bpf.fakecuda import CudaProc, FakeCuda, FakeCudaError
 from hami_bpf.server import ServerError, query
 
@@ -554,14 +555,6 @@ def percentile(values: Sequence[float], q: float) -> float:
     return s[k]
 
 
-def state(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return None
-
-
 class Sampled:
     """A stand-in command running in the background; the states of its
     process (and of `watch`) are sampled every 5 ms meanwhile."""
@@ -581,7 +574,7 @@ class Sampled:
 
     def sample_until_done(self):
         while self.t.is_alive():
-            self.samples.append(tuple(state(pid) for pid in self.watch))
+            self.samples.append(tuple(proc_state(pid) for pid in self.watch))
             time.sleep(0.005)
         self.t.join()
         return self.samples
@@ -590,3 +583,8 @@ class Sampled:
 def Launching(p: CudaProc, n: int, watch: tuple[int, ...] = ()) -> Sampled:
     """`launch N` in the background, sampling the process states meanwhile."""
     return Sampled(p, f"launch {n}", watch)
+
+
+def launch_probes(d: Daemon) -> int:
+    """Launch probes the daemon has attached (0: none, the launch path is untouched)."""
+    return int(d.snapshot()["counters"].get("launch_probes", 0))

@@ -7,8 +7,8 @@ import signal
 
 from hami_bpf.fakecuda import build
 
-from helpers import (Daemon, Launching, Tracked, converge, finish_daemon, gname, wait_for,
-                     write_policy)
+from helpers import (Daemon, Launching, Tracked, converge, finish_daemon, gname, launch_probes,
+                     wait_for, write_policy)
 
 MiB = 1 << 20
 OOM = 2
@@ -17,10 +17,6 @@ OOM = 2
 def limit_of(d: Daemon, pid: int) -> int | None:
     doc = d.cli_json("ps", "--pid", str(pid))
     return next(p for p in doc["processes"] if p["pid"] == pid)["devices"]["0"]["limit_bytes"]
-
-
-def launch_probes(d: Daemon) -> int:
-    return int(d.snapshot()["counters"].get("launch_probes", 0))
 
 
 def reload(d: Daemon, policy, text: str) -> None:

@@ -13,8 +13,9 @@ import time
 import pytest
 
 from hami_bpf.fakecuda import CudaProc, build
-from helpers import (Daemon, Launching, Tracked, finish_daemon, gname, state, stopped_pids,
-                     wait_for)
+from hami_bpf.enforce import proc_state
+from helpers import (Daemon, Launching, Tracked, finish_daemon, gname, launch_probes,
+                     stopped_pids, wait_for)
 
 pytestmark = pytest.mark.bpf
 
@@ -26,10 +27,6 @@ def spawn(fake, group: str, sm: int | None = None, **extra) -> CudaProc:
     if sm is not None:
         env["CUDA_DEVICE_SM_LIMIT"] = str(sm)
     return Tracked.spawn(fake, group, env=env).proc
-
-
-def launch_probes(d: Daemon) -> int:
-    return int(d.snapshot()["counters"].get("launch_probes", 0))
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +70,7 @@ def test_capped_group_is_stopped_and_resumed_uncapped_never(daemon, fakecuda):
         assert any(s == ("T", "T") for s in samples), "the group's idle peer was never held"
         assert all(s != "T" for s in (x[0] for x in run_free.samples)), "uncapped process stopped"
         # Resumed: nothing of ours is left stopped once the work is done.
-        wait_for(lambda: None if state(idle_peer.pid) != "T" else "peer still stopped", 2,
+        wait_for(lambda: None if proc_state(idle_peer.pid) != "T" else "peer still stopped", 2,
                  what="peer resumed")
         snap = daemon.snapshot()
         grp = next(x for x in snap["groups"] if x["id"] == g)
@@ -107,7 +104,7 @@ def test_sigkill_daemon_while_throttled_then_restart_leaves_none_stopped(tmp_pat
     try:
         wait_for(lambda: None if launch_probes(d) > 0 else "no launch probe", 5, what="probes")
         runs = [Launching(p, 3000000) for p in procs]
-        wait_for(lambda: None if any(state(p.pid) == "T" for p in procs) else "not throttled yet",
+        wait_for(lambda: None if any(proc_state(p.pid) == "T" for p in procs) else "not throttled yet",
                  10, what="a throttle stop")
         d.proc.send_signal(signal.SIGKILL)
         d.proc.wait(10)
