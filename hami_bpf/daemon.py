@@ -831,10 +831,8 @@ class Daemon:
         caps = self.sm_caps.get(group, {})
         for dev in set(old_caps) - set(caps):
             # Count only from now on; a learned budget would be stale anyway.
-            key = (g.index, dev)
-            self.budgets.pop(key, None)
-            self.lending.discard(key)
-            self.probes.set_sm_grant(g.index, dev, 0, False)
+            self._forget_budget((g.index, dev))
+            self.probes.delete_sm_grant(g.index, dev)
             self.record("limit", f"group {group!r} device {dev}: no SM cap", group=group,
                         device=dev, sm=None)
         if group in self.throttled and not caps:
@@ -1109,6 +1107,15 @@ class Daemon:
             if group in self.throttled:
                 self.last_throttled[group] = now
 
+    def _forget_budget(self, key: tuple[int, int]) -> None:
+        """Drop what an SM cap kept for (group index, device): its budget and
+        what the views show of it. Launch and completion history stay while
+        the group does (neighbours are split by them)."""
+        self.budgets.pop(key, None)
+        self.sm_share.pop(key, None)
+        self._budget_logged.pop(key, None)
+        self.lending.discard(key)
+
     def _group_share(self, group_index: int) -> float | None:
         vals = [v for (gi, _d), v in self.sm_share.items() if gi == group_index and v is not None]
         return round(max(vals), 1) if vals else None
@@ -1225,11 +1232,11 @@ class Daemon:
                 self.throttled.pop(a.name, None)
                 self.throttle_since.pop(a.name, None)
                 # Everything kept per (group index, device): the index is reused.
-                for per_key in (self.budgets, self._prev_use, self.sm_share, self._last_busy,
-                                self._budget_logged, self._done):
+                for key in [k for k in self.budgets if k[0] == a.index]:
+                    self._forget_budget(key)
+                for per_key in (self._prev_use, self._last_busy, self._done):
                     for key in [k for k in per_key if k[0] == a.index]:
                         del per_key[key]
-                self.lending = {k for k in self.lending if k[0] != a.index}
                 if self.sm_caps.pop(a.name, None):
                     self._sync_launch_probes()
                 if self.cfg.hami_regions:
