@@ -271,8 +271,7 @@ def tick(b: Budget, *, now: float, consumed: int, launches: int = 0, completed: 
     `completed` (and when it last advanced, `completed_at`, on the same
     clock as `now`) and `sync_ns`, and where known what the device did over
     the last tick (`device`, from neighbours()); return the new `granted`."""
-    if note_done(b.done, now, completed, completed_at):
-        b.done = [(t, c) for t, c in b.done if now - t <= DONE_KEEP_S]
+    note_done(b.done, now, completed, completed_at)
     if b.started is None:
         b.started = b.last_t = now
         b.last_consumed = b.start_consumed = consumed
@@ -365,20 +364,20 @@ class Completions:
 
     def note(self, now: float, completed: int | None, completed_at: float | None) -> None:
         note_done(self.done, now, completed, completed_at)
-        self.done[:] = [(t, c) for t, c in self.done if now - t <= DONE_KEEP_S]
 
 
-def note_done(done: list, now: float, completed: int | None, completed_at: float | None) -> bool:
-    """Append (time, completed) if it advanced; the time is the probe's own
-    (`completed_at`, same clock as `now`) where it is plausible: a tick can
-    be 50 ms late, 5% of a one-second span."""
+def note_done(done: list, now: float, completed: int | None, completed_at: float | None) -> None:
+    """Append (time, completed) if it advanced, and forget what is older than
+    DONE_KEEP_S. The time is the probe's own (`completed_at`, same clock as
+    `now`) where it is plausible: a tick can be 50 ms late, 5% of a
+    one-second span."""
     if completed is None or (done and completed <= done[-1][1]):
-        return False
+        return
     at = now
     if completed_at is not None and (not done or completed_at > done[-1][0]) and completed_at <= now:
         at = completed_at
     done.append((at, completed))
-    return True
+    done[:] = [(t, c) for t, c in done if now - t <= DONE_KEEP_S]
 
 
 @dataclass(frozen=True)

@@ -18,16 +18,17 @@ W=bench/gpu/sm_workload.py
 # ~118k kernels/s depending on where it landed (and moved mid-run), which a
 # comparison across processes cannot tell from the cap.
 PIN="taskset -c 2"; PIN_B="taskset -c 6"
+uncapped() {
+  HAMI_GROUP=base-$1 $PIN python3 $W $1 --seconds 8 --settle 3 --label uncapped | tee -a "$R" | cut -c1-150
+}
 want single && for kind in ${KINDS:-matmul small graph}; do
-  HAMI_GROUP=base-$kind $PIN python3 $W $kind --seconds 8 --settle 3 --label uncapped | tee -a "$R" | cut -c1-150
+  uncapped $kind
   for cap in 25 50 75; do
     HAMI_GROUP=cap$cap-$kind CUDA_DEVICE_SM_LIMIT=$cap $PIN python3 $W $kind --seconds 8 --settle 3 \
         --label cap$cap | tee -a "$R" | cut -c1-150
   done
 done
-want single || for kind in matmul small; do   # uncapped baselines for the pairs
-  HAMI_GROUP=base-$kind $PIN python3 $W $kind --seconds 8 --settle 3 --label uncapped | tee -a "$R" | cut -c1-150
-done
+want single || for kind in matmul small; do uncapped $kind; done   # the pairs' baselines
 want pair && for kind in matmul small; do
   echo "== two groups 30/70 ($kind)"
   # matmul synchronizes every ~2 s when shared: longer, to see it settle.
