@@ -233,8 +233,17 @@ def _learned(b: Budget, pace: float, since: float, until: float, consumed: int) 
         ud = sum(x.util for x in samples) / n
         known = sum(x.known_others for x in samples) / n
         # In the neighbours' terms (completions where they synchronize).
-        mine = pace * n if b.by_completion else sum(x.rate for x in samples)
-        theirs = sum(x.others_rate for x in samples)
+        # A tick with a busy neighbour whose pace is not known yet (blocked
+        # on its full queue: it launches nothing) says nothing about the
+        # split: use the other ticks; if there are none, the GPU time-slices
+        # between contexts that both have work, so take it as an equal part
+        # (H200, matmul pair: the 30% group gave such a neighbour 13% of the
+        # device and learned 53% of its whole, 15.9% for its cap of 30).
+        paced = [x for x in samples if not x.others_unpaced] or samples
+        m = len(paced)
+        mine = pace * m if b.by_completion else sum(x.rate for x in paced)
+        theirs = sum(x.others_rate if not x.others_unpaced else
+                     max(x.others_rate, pace if b.by_completion else x.rate) for x in paced)
         left = max(0.0, ud - known)
         ug = left * mine / (mine + theirs) if mine + theirs > 0 else left
         part = max(ug, MIN_PART * 100.0)

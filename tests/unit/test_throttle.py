@@ -396,3 +396,23 @@ def test_waits_while_a_busy_neighbour_has_no_pace_yet():
     learn_with(b, step)
     # Not from a span that still had the unpaced neighbour in it: split 50/50.
     assert not b.learning and b.contended and abs(b.full_rate - 100_000) / 100_000 < 0.1, b.full_rate
+
+
+@pytest.mark.parametrize("unpaced_until", [4.6, 99.0])
+def test_a_neighbour_unpaced_past_the_wait_is_not_taken_for_an_idle_one(unpaced_until):
+    # It started 1 s late and blocked on its queue until its second
+    # synchronize came, later than LEARN_SHARED_S: ticks from before that
+    # must not give it the launch rate it had (nothing) as its part; with
+    # no tick to go by, the GPU time-slices the two evenly (H200, matmul pair
+    # 30/70: the 30% group learned half its full rate, 15.9% for a cap of 30).
+    b = Budget(cap=30)
+
+    def step(n):
+        t = n * 0.05
+        return dict(consumed=2500 * n, completed=2500 * (n - n % 5) or None,
+                    sync_ns=40_000_000 * n,      # GPU-bound: mostly waiting
+                    device=DeviceView(100.0, 0.0, 50_000.0 if t >= unpaced_until else 0.0,
+                                      others_unpaced=t < unpaced_until))
+    learn_with(b, step)
+    assert not b.learning and b.contended
+    assert abs(b.full_rate - 100_000) / 100_000 < 0.1, b.full_rate
