@@ -306,6 +306,7 @@ class Daemon:
         self.lending: set[tuple[int, int]] = set()           # (group index, device) above its cap now
         self.throttled: dict[str, set[int]] = {}
         self.throttle_since: dict[str, float] = {}
+        self.held_s: dict[str, float] = {}   # group -> seconds held by its cap, ended holds
         self._prev_use: dict[tuple[int, int], tuple[float, int]] = {}
         # Every (group, device)'s completions while some budget learns, for
         # splitting a shared device by what each group got done.
@@ -1058,11 +1059,17 @@ class Daemon:
                     b = self.budgets[key] = Budget(cap=cap, probe_s=self.probe_cost_s)
                 b.cap = cap
                 consumed, n_launch, completed, sync_ns, done_ns = use.get(key, (0, 0, 0, 0, 0))
-                was_learning = b.learning
+                was_learning, rerated = b.learning, b.rerated
+                held_s = self.held_s.get(group, 0.0) + (
+                    max(0.0, now - self.throttle_since[group]) if group in self.throttle_since else 0.0)
                 granted = budget_tick(b, now=now, consumed=consumed, launches=n_launch,
                                       completed=completed or None, sync_ns=sync_ns,
                                       completed_at=done_ns / 1e9 if done_ns else None,
-                                      device=share.get(key))
+                                      device=share.get(key), held_s=held_s)
+                if b.rerated != rerated:
+                    self.record("throttle", f"group {group!r} device {dev}: full rate raised to "
+                                f"{b.full_rate:.4g} units/s (its launcher runs that fast between "
+                                f"holds)", group=group, device=dev, full_rate=b.full_rate)
                 if was_learning and not b.learning:
                     self.record("throttle", f"group {group!r} device {dev}: cap {cap}% of a "
                                 f"learned full rate of {b.full_rate:.4g} units/s (pace "
@@ -1155,7 +1162,9 @@ class Daemon:
         held = self.throttled.pop(group, set())
         since = self.throttle_since.pop(group, None)
         if since is not None:
-            self.counters["throttle_ms"] += int((time.monotonic() - since) * 1000)
+            took = time.monotonic() - since
+            self.counters["throttle_ms"] += int(took * 1000)
+            self.held_s[group] = self.held_s.get(group, 0.0) + took
         for pid in held:
             enforce.resume(pid)   # exactly once per hold
         self.stopped.remove_many(held)
@@ -1231,6 +1240,7 @@ class Daemon:
                 self.last_throttled.pop(a.name, None)
                 self.throttled.pop(a.name, None)
                 self.throttle_since.pop(a.name, None)
+                self.held_s.pop(a.name, None)
                 # Everything kept per (group index, device): the index is reused.
                 for key in [k for k in self.budgets if k[0] == a.index]:
                     self._forget_budget(key)

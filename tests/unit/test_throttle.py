@@ -416,3 +416,54 @@ def test_a_neighbour_unpaced_past_the_wait_is_not_taken_for_an_idle_one(unpaced_
     learn_with(b, step)
     assert not b.learning and b.contended
     assert abs(b.full_rate - 100_000) / 100_000 < 0.1, b.full_rate
+
+
+def learned_budget(cap, full_rate, **kw):
+    b = Budget(cap=cap, full_rate=full_rate, pace=full_rate, rate=cap / 100 * full_rate,
+               by_completion=True, started=0.0, last_t=0.0, credit=0.0, **kw)
+    return b
+
+
+def run_capped(b, speed, seconds, *, keeps_up=1.0, t0=0.0, c0=0, h0=0.0, dt=0.05):
+    """Tick a learned budget whose launcher runs at `speed` (cost/s, probes
+    included) whenever it is not held: it launches what its budget allows
+    and is held for the rest of each tick. Returns (t, consumed, held)."""
+    t, c, h = t0, c0, h0
+    done = c0
+    for n in range(1, int(seconds / dt) + 1):
+        t += dt
+        step = min(speed, b.rate) * dt
+        c += int(step)
+        h += dt * (1 - min(1.0, b.rate / speed))
+        if n % 5 == 0:                 # a synchronize every 0.25 s
+            done = int(c0 + keeps_up * (c - c0))
+        tick(b, now=t, consumed=c, completed=done, completed_at=t, held_s=h)
+    return t, c, h
+
+
+def test_a_host_bound_group_that_learned_in_a_slow_second_is_raised_to_its_launcher():
+    # H200, small kernels, cap 75: the loop ran at 100k/s in the second it
+    # learned in and 140k/s before and after: 58% of its uncapped rate.
+    b = learned_budget(75, 100_000, probe_share=0.1)
+    t, c, h = run_capped(b, speed=140_000 * 0.9, seconds=2.0)
+    assert b.rerated >= 1 and abs(b.full_rate - 140_000) / 140_000 < 0.05, b.full_rate
+    # Once right, it stays: holds only ever make the launcher look slower.
+    f = b.full_rate
+    run_capped(b, speed=140_000 * 0.9, seconds=3.0, t0=t, c0=c, h0=h)
+    assert b.full_rate == f
+
+
+@pytest.mark.parametrize("kw", [dict(probe_share=0.0),                  # GPU-bound alone
+                                dict(probe_share=0.1, contended=True)])  # shared device
+def test_only_a_host_bound_group_is_re_rated(kw):
+    b = learned_budget(50, 100_000, **kw)
+    run_capped(b, speed=200_000, seconds=3.0)
+    assert b.rerated == 0 and b.full_rate == 100_000
+
+
+def test_not_re_rated_while_the_gpu_falls_behind_what_it_launches():
+    # A phase gone GPU-bound: between holds it fills an emptied queue at the
+    # host's speed, which is no measure of the GPU.
+    b = learned_budget(50, 100_000, probe_share=0.1)
+    run_capped(b, speed=200_000, seconds=3.0, keeps_up=0.5)
+    assert b.rerated == 0 and b.full_rate == 100_000
