@@ -41,8 +41,11 @@ simulated GPU, bench/sim_sm.py; docs/benchmarks.md):
    group runs at its launcher's speed; cost launched per second it was not
    held, over RUN_WINDOW_S, is F again (less the probe's share). F is raised
    to it, never lowered: a hold's overheads (and stops counted late) only
-   make it read low. Only while the GPU completes what it launches (a
-   GPU-bound phase would read the host's speed into an empty queue).
+   make it read low; and at most to RERATE_MAX times what it learned. Only
+   groups whose launch probe took a visible part of their time (tens of
+   thousands of launches a second: the host bounds them), and only while
+   the GPU completes what they launch: a GPU-bound group between holds
+   launches at the host's speed into an emptied queue, which is no F.
 
 No feedback loop trims R afterwards. Two were tried on the H200 and in the
 simulator: one on completions, one on NVML utilization. Both react to a
@@ -80,6 +83,9 @@ RUN_WINDOW_S = 1.0    # a host-bound group's launch speed while not held: over t
 RUN_MIN_S = 0.2       # ... of which it ran at least this long
 RERATE_TOL = 0.08     # raise F when its launcher runs this much faster than F says
 KEEPS_UP = 0.9        # ... and the GPU completes at least this part of what it launches
+RERATE_MAX = 1.6      # ... up to this many times what it learned: the VM's slow and fast
+                      # seconds of one loop are +-25% apart (1.25 / 0.75)
+HOST_BOUND_SHARE = 0.01  # a probe share under this is no sign the launcher set the pace
 
 
 class Sample(NamedTuple):
@@ -280,6 +286,12 @@ def _learned(b: Budget, pace: float, since: float, until: float, consumed: int) 
             # and the probe's trap took part of each launch. Without probes
             # (uncapped) it would run that much faster; caps are shares of that.
             b.probe_share = _probe_share(b, samples, own=False)
+            if b.probe_share < HOST_BOUND_SHARE:
+                # A few launches a second: a GPU-bound group whose NVML
+                # average still lagged (H200 matmuls, 0.04%): no credit, and
+                # not host-bound (step 4 would read its launcher's speed into
+                # an emptied queue as F: 62.9% for a cap of 50).
+                b.probe_share = 0.0
             b.full_rate = pace / (1.0 - b.probe_share)
     b.rate = max(MIN_RATE, b.cap / 100.0 * b.full_rate)
     b.granted, b.credit = consumed, float(consumed)   # the bank starts empty
@@ -399,6 +411,7 @@ def _rerate(b: Budget, now: float, consumed: int, held_s: float) -> None:
     if done is None or done < KEEPS_UP * (c1 - c0) / span:
         return
     est = (c1 - c0) / running / (1.0 - b.probe_share)
+    est = min(est, RERATE_MAX * b.pace / (1.0 - b.probe_share))
     if est > b.full_rate * (1.0 + RERATE_TOL):
         b.full_rate = est
         b.rerated += 1
