@@ -1059,7 +1059,7 @@ class Daemon:
                     b = self.budgets[key] = Budget(cap=cap, probe_s=self.probe_cost_s)
                 b.cap = cap
                 consumed, n_launch, completed, sync_ns, done_ns = use.get(key, (0, 0, 0, 0, 0))
-                was_learning, rerated = b.learning, b.rerated
+                was_learning, rerated, full = b.learning, b.rerated, b.full_rate
                 held_s = self.held_s.get(group, 0.0) + (
                     max(0.0, now - self.throttle_since[group]) if group in self.throttle_since else 0.0)
                 granted = budget_tick(b, now=now, consumed=consumed, launches=n_launch,
@@ -1067,9 +1067,9 @@ class Daemon:
                                       completed_at=done_ns / 1e9 if done_ns else None,
                                       device=share.get(key), held_s=held_s)
                 if b.rerated != rerated:
-                    self.record("throttle", f"group {group!r} device {dev}: full rate raised to "
-                                f"{b.full_rate:.4g} units/s (its launcher runs that fast between "
-                                f"holds)", group=group, device=dev, full_rate=b.full_rate)
+                    self.record("throttle", f"group {group!r} device {dev}: full rate {full:.4g} "
+                                f"-> {b.full_rate:.4g} units/s (its launcher's speed between holds)",
+                                group=group, device=dev, full_rate=b.full_rate)
                 if was_learning and not b.learning:
                     self.record("throttle", f"group {group!r} device {dev}: cap {cap}% of a "
                                 f"learned full rate of {b.full_rate:.4g} units/s (pace "

@@ -39,9 +39,12 @@ simulated GPU, bench/sim_sm.py; docs/benchmarks.md):
    speed moves by +-25% from one second to the next on the VM (docs/facts.md),
    so the second it learned in may have been a slow one. Between holds the
    group runs at its launcher's speed; cost launched per second it was not
-   held, over RUN_WINDOW_S, is F again (less the probe's share). F is raised
-   to it, never lowered: a hold's overheads (and stops counted late) only
-   make it read low; and at most to RERATE_MAX times what it learned. Only
+   held nor waiting in synchronize, over RUN_WINDOW_S, is F again (less the
+   probe's share): F follows it when it moves by more than RERATE_TOL,
+   within RERATE_MAX times (or a RERATE_MAX-th of) what it learned; lower
+   only from a window in which it launched or was held in every tick (a
+   tick with neither was host work or idling: no measure of its launcher).
+   A hold's overheads make it read a little low (about 1%). Only
    groups whose launch probe took a visible part of their time (tens of
    thousands of launches a second: the host bounds them), and only while
    the GPU completes what they launch: a GPU-bound group between holds
@@ -79,9 +82,9 @@ DONE_WINDOW_S = 1.0   # completion rate is measured over about this long
 DONE_MIN_SPAN_S = 0.4
 DONE_KEEP_S = 6.0     # ... or, where synchronizes are sparse, over the last few within this
 TICKS_KEEP_S = DONE_KEEP_S  # learning ticks kept (host rate, host-side ceiling)
-RUN_WINDOW_S = 1.0    # a host-bound group's launch speed while not held: over this long
+RUN_WINDOW_S = 1.0    # a host-bound group's launch speed while running: over this long
 RUN_MIN_S = 0.2       # ... of which it ran at least this long
-RERATE_TOL = 0.08     # raise F when its launcher runs this much faster than F says
+RERATE_TOL = 0.08     # move F when its launcher runs this much faster or slower than F says
 KEEPS_UP = 0.9        # ... and the GPU completes at least this part of what it launches
 RERATE_MAX = 1.6      # ... up to this many times what it learned: the VM's slow and fast
                       # seconds of one loop are +-25% apart (1.25 / 0.75)
@@ -127,8 +130,9 @@ class Budget:
     launcher_bound: bool = False    # F was capped by host_ceiling
     by_completion: bool = False     # the pace came from completions (the GPU's)
     run: collections.deque = field(default_factory=collections.deque)
-    # ^ (time, consumed, seconds held) per tick once learned, last RUN_WINDOW_S (host-bound only)
-    rerated: int = 0                # times F was raised from the launcher's speed while running
+    # ^ (time, consumed, seconds held, seconds in synchronize) per tick once learned,
+    #   last RUN_WINDOW_S (host-bound only)
+    rerated: int = 0                # times F moved to the launcher's speed while running
 
     @property
     def learning(self) -> bool:
@@ -383,7 +387,7 @@ def tick(b: Budget, *, now: float, consumed: int, launches: int = 0, completed: 
         return _learned(b, (c1 - c0) / (t1 - t0), t0, t1, consumed)
 
     if held_s is not None and b.probe_share > 0 and not b.contended and b.by_completion:
-        _rerate(b, now, consumed, held_s)
+        _rerate(b, now, consumed, held_s, sync_ns / 1e9)
     b.rate = max(MIN_RATE, b.cap / 100.0 * b.full_rate)
     pace = completion_rate(b, now) if b.by_completion else None
     seen = 100.0 * (pace if pace is not None else rate_seen) / b.full_rate
@@ -396,23 +400,28 @@ def tick(b: Budget, *, now: float, consumed: int, launches: int = 0, completed: 
     return b.granted
 
 
-def _rerate(b: Budget, now: float, consumed: int, held_s: float) -> None:
-    """Raise a host-bound group's F to what its launcher does between holds
+def _rerate(b: Budget, now: float, consumed: int, held_s: float, sync_s: float) -> None:
+    """Move a host-bound group's F to what its launcher does between holds
     (model, step 4)."""
-    b.run.append((now, consumed, held_s))
+    b.run.append((now, consumed, held_s, sync_s))
     while now - b.run[0][0] > RUN_WINDOW_S:
         b.run.popleft()
-    (t0, c0, h0), (t1, c1, h1) = b.run[0], b.run[-1]
+    (t0, c0, h0, s0), (t1, c1, h1, s1) = b.run[0], b.run[-1]
     span = t1 - t0
-    running = span - (h1 - h0)
+    running = span - (h1 - h0) - (s1 - s0)
     if span < 0.8 * RUN_WINDOW_S or running < RUN_MIN_S or c1 <= c0:
         return
     done = completion_rate(b, now)
     if done is None or done < KEEPS_UP * (c1 - c0) / span:
         return
-    est = (c1 - c0) / running / (1.0 - b.probe_share)
-    est = min(est, RERATE_MAX * b.pace / (1.0 - b.probe_share))
-    if est > b.full_rate * (1.0 + RERATE_TOL):
+    learned = b.pace / (1.0 - b.probe_share)
+    est = min(RERATE_MAX * learned, max(learned / RERATE_MAX,
+                                        (c1 - c0) / running / (1.0 - b.probe_share)))
+    pts = list(b.run)
+    # Lower only from a window it launched in throughout (or was held): a
+    # tick with neither was host work or idling, not its launcher's speed.
+    busy = all(c > pc or h > ph for (_t, c, h, _s), (_pt, pc, ph, _ps) in zip(pts[1:], pts))
+    if est > b.full_rate * (1.0 + RERATE_TOL) or (busy and est < b.full_rate * (1.0 - RERATE_TOL)):
         b.full_rate = est
         b.rerated += 1
         b.run.clear()

@@ -198,7 +198,7 @@ def test_a_host_bound_group_that_learned_while_slowed_is_raised(tmp_path, sim):
             p.close()
         log = messages(d)
         learned = float(re.search(r"learned full rate of ([0-9.e+]+)", log).group(1))
-        raised = [float(x) for x in re.findall(r"full rate raised to ([0-9.e+]+)", log)]
+        raised = [float(x) for x in re.findall(r"full rate [0-9.e+]+ -> ([0-9.e+]+)", log)]
         assert raised, f"F never raised from {learned:.4g}\n{log[-2000:]}"
         assert max(raised) >= 1.4 * learned, f"{learned:.4g} -> {raised}\n{log[-2000:]}"
     finally:

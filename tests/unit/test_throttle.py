@@ -425,17 +425,18 @@ def learned_budget(cap, full_rate, **kw):
     return b
 
 
-def run_capped(b, speed, seconds, *, keeps_up=1.0, t0=0.0, c0=0, h0=0.0, dt=0.05):
+def run_capped(b, speed, seconds, *, keeps_up=1.0, t0=0.0, c0=0, h0=0.0, dt=0.05, idle_every=0):
     """Tick a learned budget whose launcher runs at `speed` (cost/s, probes
     included) whenever it is not held: it launches what its budget allows
-    and is held for the rest of each tick. Returns (t, consumed, held)."""
+    and is held for the rest of each tick (every `idle_every`-th tick it
+    does neither: host work). Returns (t, consumed, held)."""
     t, c, h = t0, c0, h0
     done = c0
     for n in range(1, int(seconds / dt) + 1):
         t += dt
-        step = min(speed, b.rate) * dt
-        c += int(step)
-        h += dt * (1 - min(1.0, b.rate / speed))
+        if not (idle_every and n % idle_every == 0):
+            c += int(min(speed, b.rate) * dt)
+            h += dt * (1 - min(1.0, b.rate / speed))
         if n % 5 == 0:                 # a synchronize every 0.25 s
             done = int(c0 + keeps_up * (c - c0))
         tick(b, now=t, consumed=c, completed=done, completed_at=t, held_s=h)
@@ -448,7 +449,7 @@ def test_a_host_bound_group_that_learned_in_a_slow_second_is_raised_to_its_launc
     b = learned_budget(75, 100_000, probe_share=0.1)
     t, c, h = run_capped(b, speed=140_000 * 0.9, seconds=2.0)
     assert b.rerated >= 1 and abs(b.full_rate - 140_000) / 140_000 < 0.05, b.full_rate
-    # Once right, it stays: holds only ever make the launcher look slower.
+    # Once right, it stays.
     f = b.full_rate
     run_capped(b, speed=140_000 * 0.9, seconds=3.0, t0=t, c0=c, h0=h)
     assert b.full_rate == f
@@ -487,3 +488,16 @@ def test_a_gpu_bound_group_read_while_nvml_lags_gets_no_probe_credit():
                                  sync_ns=1_000_000 * (n // 5),
                                  device=DeviceView(60.0, 0.0, 0.0)))
     assert not b.learning and b.probe_share == 0.0 and b.full_rate == b.pace
+
+
+def test_a_host_bound_group_that_learned_in_a_fast_second_is_lowered_to_its_launcher():
+    b = learned_budget(75, 140_000, probe_share=0.1)
+    run_capped(b, speed=100_000 * 0.9, seconds=2.0)
+    assert b.rerated >= 1 and abs(b.full_rate - 100_000) / 100_000 < 0.05, b.full_rate
+
+
+def test_not_lowered_by_a_launcher_that_idles_between_launches():
+    # An inference loop waiting for requests is not a slower launcher.
+    b = learned_budget(75, 140_000, probe_share=0.1)
+    run_capped(b, speed=140_000 * 0.9, seconds=3.0, idle_every=3)
+    assert b.full_rate == 140_000
