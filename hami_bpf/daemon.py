@@ -1137,9 +1137,13 @@ class Daemon:
             return
         group = view.group
         held = self.throttled.setdefault(group, set())
-        self.last_throttled[group] = time.monotonic()
+        now = time.monotonic()
+        self.last_throttled[group] = now
         if not held:
-            self.throttle_since[group] = time.monotonic()
+            # From the probe's stop, not from reading its event: host-bound
+            # groups' F is re-measured from their time not held (throttle.py).
+            at = e.ts_ns / 1e9
+            self.throttle_since[group] = at if 0 < at <= now else now
             self.counters["throttle_episodes"] += 1
         g = self.table.group(group)
         new = []

@@ -501,3 +501,11 @@ def test_not_lowered_by_a_launcher_that_idles_between_launches():
     b = learned_budget(75, 140_000, probe_share=0.1)
     run_capped(b, speed=140_000 * 0.9, seconds=3.0, idle_every=3)
     assert b.full_rate == 140_000
+
+
+def test_not_lowered_by_the_slowness_stop_and_resume_cycles_cause():
+    # A resumed process does not run at once: its speed between holds reads
+    # up to ~8% low (simulator, cap 25), with no change in its launcher.
+    b = learned_budget(25, 100_000, probe_share=0.1)
+    run_capped(b, speed=92_000 * 0.9, seconds=3.0)
+    assert b.full_rate == 100_000
