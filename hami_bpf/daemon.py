@@ -306,7 +306,6 @@ class Daemon:
         self.lending: set[tuple[int, int]] = set()           # (group index, device) above its cap now
         self.throttled: dict[str, set[int]] = {}
         self.throttle_since: dict[str, float] = {}
-        self.held_s: dict[str, float] = {}   # group -> seconds held by its cap, ended holds
         self._prev_use: dict[tuple[int, int], tuple[float, int]] = {}
         # Every (group, device)'s completions while some budget learns, for
         # splitting a shared device by what each group got done.
@@ -1059,17 +1058,11 @@ class Daemon:
                     b = self.budgets[key] = Budget(cap=cap, probe_s=self.probe_cost_s)
                 b.cap = cap
                 consumed, n_launch, completed, sync_ns, done_ns = use.get(key, (0, 0, 0, 0, 0))
-                was_learning, rerated, full = b.learning, b.rerated, b.full_rate
-                held_s = self.held_s.get(group, 0.0) + (
-                    max(0.0, now - self.throttle_since[group]) if group in self.throttle_since else 0.0)
+                was_learning = b.learning
                 granted = budget_tick(b, now=now, consumed=consumed, launches=n_launch,
                                       completed=completed or None, sync_ns=sync_ns,
                                       completed_at=done_ns / 1e9 if done_ns else None,
-                                      device=share.get(key), held_s=held_s)
-                if b.rerated != rerated:
-                    self.record("throttle", f"group {group!r} device {dev}: full rate {full:.4g} "
-                                f"-> {b.full_rate:.4g} units/s (its launcher's speed between holds)",
-                                group=group, device=dev, full_rate=b.full_rate)
+                                      device=share.get(key))
                 if was_learning and not b.learning:
                     self.record("throttle", f"group {group!r} device {dev}: cap {cap}% of a "
                                 f"learned full rate of {b.full_rate:.4g} units/s (pace "
@@ -1140,8 +1133,7 @@ class Daemon:
         now = time.monotonic()
         self.last_throttled[group] = now
         if not held:
-            # From the probe's stop, not from reading its event: host-bound
-            # groups' F is re-measured from their time not held (throttle.py).
+            # From the probe's stop, not from reading its event (same clock).
             at = e.ts_ns / 1e9
             self.throttle_since[group] = at if 0 < at <= now else now
             self.counters["throttle_episodes"] += 1
@@ -1166,9 +1158,7 @@ class Daemon:
         held = self.throttled.pop(group, set())
         since = self.throttle_since.pop(group, None)
         if since is not None:
-            took = time.monotonic() - since
-            self.counters["throttle_ms"] += int(took * 1000)
-            self.held_s[group] = self.held_s.get(group, 0.0) + took
+            self.counters["throttle_ms"] += int((time.monotonic() - since) * 1000)
         for pid in held:
             enforce.resume(pid)   # exactly once per hold
         self.stopped.remove_many(held)
@@ -1244,7 +1234,6 @@ class Daemon:
                 self.last_throttled.pop(a.name, None)
                 self.throttled.pop(a.name, None)
                 self.throttle_since.pop(a.name, None)
-                self.held_s.pop(a.name, None)
                 # Everything kept per (group index, device): the index is reused.
                 for key in [k for k in self.budgets if k[0] == a.index]:
                     self._forget_budget(key)

@@ -35,22 +35,6 @@ simulated GPU, bench/sim_sm.py; docs/benchmarks.md):
    uncapped burst. Throughput relative to uncapped is R / F = cap, whatever a
    block or a graph really costs: the units cancel out.
 
-4. Host-bound groups: F is re-measured while capped. Their launcher's
-   speed moves by +-25% from one second to the next on the VM (docs/facts.md),
-   so the second it learned in may have been a slow one. Between holds the
-   group runs at its launcher's speed; cost launched per second it was not
-   held nor waiting in synchronize, over RUN_WINDOW_S, is F again (less the
-   probe's share): F follows it when it is RERATE_TOL faster or LOWER_TOL
-   slower, within RERATE_MAX times (or a RERATE_MAX-th of) what it learned.
-   Stop/resume cycles make it read low (8% at cap 25 in the simulator: a
-   resumed process is not running at once), hence the wider margin down;
-   lower only from a window in which it launched or was held in every tick
-   (a tick with neither was host work or idling, not its launcher). Only
-   groups whose launch probe took a visible part of their time (tens of
-   thousands of launches a second: the host bounds them), and only while
-   the GPU completes what they launch: a GPU-bound group between holds
-   launches at the host's speed into an emptied queue, which is no F.
-
 No feedback loop trims R afterwards. Two were tried on the H200 and in the
 simulator: one on completions, one on NVML utilization. Both react to a
 signal that lags the launches by the whole launch queue (up to ~1 s), and
@@ -83,14 +67,6 @@ DONE_WINDOW_S = 1.0   # completion rate is measured over about this long
 DONE_MIN_SPAN_S = 0.4
 DONE_KEEP_S = 6.0     # ... or, where synchronizes are sparse, over the last few within this
 TICKS_KEEP_S = DONE_KEEP_S  # learning ticks kept (host rate, host-side ceiling)
-RUN_WINDOW_S = 1.0    # a host-bound group's launch speed while running: over this long
-RUN_MIN_S = 0.2       # ... of which it ran at least this long
-RERATE_TOL = 0.08     # raise F when its launcher runs this much faster than F says
-LOWER_TOL = 0.15      # lower it when this much slower: stop/resume cycles read slow
-                      # (simulator, cap 25: 8% below the launcher's speed)
-KEEPS_UP = 0.9        # ... and the GPU completes at least this part of what it launches
-RERATE_MAX = 1.6      # ... up to this many times what it learned: the VM's slow and fast
-                      # seconds of one loop are +-25% apart (1.25 / 0.75)
 HOST_BOUND_SHARE = 0.01  # a probe share under this is no sign the launcher set the pace
 
 
@@ -132,10 +108,6 @@ class Budget:
     fresh_since: float = 0.0        # learn only from completions after this (a neighbour changed)
     launcher_bound: bool = False    # F was capped by host_ceiling
     by_completion: bool = False     # the pace came from completions (the GPU's)
-    run: collections.deque = field(default_factory=collections.deque)
-    # ^ (time, consumed, seconds held, seconds in synchronize) per tick once learned,
-    #   last RUN_WINDOW_S (host-bound only)
-    rerated: int = 0                # times F moved to the launcher's speed while running
 
     @property
     def learning(self) -> bool:
@@ -295,9 +267,8 @@ def _learned(b: Budget, pace: float, since: float, until: float, consumed: int) 
             b.probe_share = _probe_share(b, samples, own=False)
             if b.probe_share < HOST_BOUND_SHARE:
                 # A few launches a second: a GPU-bound group whose NVML
-                # average still lagged (H200 matmuls, 0.04%): no credit, and
-                # not host-bound (step 4 would read its launcher's speed into
-                # an emptied queue as F: 62.9% for a cap of 50).
+                # average still lagged (H200 matmuls alone: 0.04%), not one
+                # its launcher holds back; `hami-bpf events` said "host-bound".
                 b.probe_share = 0.0
             b.full_rate = pace / (1.0 - b.probe_share)
     b.rate = max(MIN_RATE, b.cap / 100.0 * b.full_rate)
@@ -310,12 +281,11 @@ def _learned(b: Budget, pace: float, since: float, until: float, consumed: int) 
 def tick(b: Budget, *, now: float, consumed: int, launches: int = 0, completed: int | None = None,
          completed_at: float | None = None, sync_ns: int = 0,
          device: "DeviceView | None" = None, learn_s: float = LEARN_S,
-         burst_s: float = BURST_S, held_s: float | None = None) -> int:
+         burst_s: float = BURST_S) -> int:
     """Advance one budget to `now` given the probes' cumulative `consumed`,
     `completed` (and when it last advanced, `completed_at`, on the same
     clock as `now`) and `sync_ns`, and where known what the device did over
-    the last tick (`device`, from neighbours()) and how long the group has
-    been held by its cap in all (`held_s`); return the new `granted`."""
+    the last tick (`device`, from neighbours()); return the new `granted`."""
     note_done(b.done, now, completed, completed_at)
     if b.started is None:
         b.started = b.last_t = now
@@ -389,8 +359,6 @@ def tick(b: Budget, *, now: float, consumed: int, launches: int = 0, completed: 
             return b.granted
         return _learned(b, (c1 - c0) / (t1 - t0), t0, t1, consumed)
 
-    if held_s is not None and b.probe_share > 0 and not b.contended and b.by_completion:
-        _rerate(b, now, consumed, held_s, sync_ns / 1e9)
     b.rate = max(MIN_RATE, b.cap / 100.0 * b.full_rate)
     pace = completion_rate(b, now) if b.by_completion else None
     seen = 100.0 * (pace if pace is not None else rate_seen) / b.full_rate
@@ -401,33 +369,6 @@ def tick(b: Budget, *, now: float, consumed: int, launches: int = 0, completed: 
     b.credit = max(credit, min(credit + b.rate * dt, consumed + b.rate * burst_s))
     b.granted = max(b.granted, int(math.ceil(b.credit)))
     return b.granted
-
-
-def _rerate(b: Budget, now: float, consumed: int, held_s: float, sync_s: float) -> None:
-    """Move a host-bound group's F to what its launcher does between holds
-    (model, step 4)."""
-    b.run.append((now, consumed, held_s, sync_s))
-    while now - b.run[0][0] > RUN_WINDOW_S:
-        b.run.popleft()
-    (t0, c0, h0, s0), (t1, c1, h1, s1) = b.run[0], b.run[-1]
-    span = t1 - t0
-    running = span - (h1 - h0) - (s1 - s0)
-    if span < 0.8 * RUN_WINDOW_S or running < RUN_MIN_S or c1 <= c0:
-        return
-    done = completion_rate(b, now)
-    if done is None or done < KEEPS_UP * (c1 - c0) / span:
-        return
-    learned = b.pace / (1.0 - b.probe_share)
-    est = min(RERATE_MAX * learned, max(learned / RERATE_MAX,
-                                        (c1 - c0) / running / (1.0 - b.probe_share)))
-    pts = list(b.run)
-    # Lower only from a window it launched in throughout (or was held): a
-    # tick with neither was host work or idling, not its launcher's speed.
-    busy = all(c > pc or h > ph for (_t, c, h, _s), (_pt, pc, ph, _ps) in zip(pts[1:], pts))
-    if est > b.full_rate * (1.0 + RERATE_TOL) or (busy and est < b.full_rate * (1.0 - LOWER_TOL)):
-        b.full_rate = est
-        b.rerated += 1
-        b.run.clear()
 
 
 @dataclass
