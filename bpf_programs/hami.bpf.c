@@ -907,6 +907,17 @@ int uretprobe__sync_return(struct pt_regs *ctx)
 	if (a.consumed > u->completed) {
 		u->completed = a.consumed;
 		u->completed_ns = now;
+		/* Still learning: this completion may be the one that teaches the
+		 * controller the group's pace, and a deep-queued workload refills
+		 * its queue (a second of work on the H200) within microseconds of
+		 * returning, long before the controller's next tick: that second
+		 * would run uncapped. Spend the grant so that its next launch stops
+		 * (launch_charge, heartbeat-gated) until the controller has looked. */
+		struct hami_smgrant *g = sm_grant.lookup(&a.gk);
+		if (g && g->limited && g->checkpoint && now - u->checkpoint_ns >= HAMI_CHECKPOINT_NS) {
+			u->checkpoint_ns = now;
+			g->granted = u->consumed;
+		}
 	}
 	return 0;
 }

@@ -53,6 +53,10 @@
 #define HAMI_GROUP_NONE 0xffffffffu
 #define HAMI_UNLIMITED  0xffffffffffffffffULL
 #define HAMI_CTX_DEPTH  8
+/* Learning checkpoints (hami_smgrant.checkpoint): at most one per group and
+ * device this often, so that a loop synchronizing at every step is not
+ * slowed while its pace is measured. */
+#define HAMI_CHECKPOINT_NS 200000000ULL
 
 /* Per-CPU stats counters (index into the stats array). */
 #define HAMI_STAT_RB_DROPS        0 /* ring buffer full: event lost */
@@ -173,11 +177,15 @@ struct hami_tctx {
 	__u32 pad;
 };
 
-/* sm_grant value (key hami_gkey): written only by the controller. */
+/* sm_grant value (key hami_gkey): written by the controller (and .granted by
+ * a learning checkpoint, see below). */
 struct hami_smgrant {
 	__u64 granted;   /* cost units the group may have launched in total */
 	__u32 limited;   /* 0: count only, never stop */
-	__u32 pad;
+	__u32 checkpoint; /* learning: a synchronize's return (at most one per
+			   * HAMI_CHECKPOINT_NS) lowers granted to consumed, so
+			   * the next launch waits for the controller to apply
+			   * what that completion taught it; the only BPF write */
 };
 
 /* sm_use value (key hami_gkey): changed only by BPF atomics. */
@@ -189,6 +197,7 @@ struct hami_smuse {
 	__u64 sync_ns;   /* time threads spent in synchronize calls that returned:
 			  * the host waiting for the GPU, not launching */
 	__u64 completed_ns; /* CLOCK_MONOTONIC when `completed` last advanced */
+	__u64 checkpoint_ns; /* CLOCK_MONOTONIC of the last checkpoint (sm_grant) */
 };
 
 /* sync_at: key __u32 tid -> what was launched when a synchronize call began. */

@@ -84,7 +84,9 @@ BPF_HASH(launches, __u32, __u64, HAMI_MAX_PROCS);
 
 /* sm_grant: key hami_gkey (group, physical device) -> hami_smgrant. Written
  * by the controller on every throttle tick for groups with an SM limit
- * (granted only grows); deleted with the group. Read by the launch probes. */
+ * (granted only grows, but for one BPF write: a learning checkpoint at a
+ * synchronize's return lowers it to consumed); deleted with the group. Read
+ * by the launch probes. */
 BPF_HASH(sm_grant, struct hami_gkey, struct hami_smgrant, HAMI_MAX_GROUPS * 8);
 
 /* sm_use: key hami_gkey -> hami_smuse. Created by the first launch of a group

@@ -180,12 +180,13 @@ class Config(ct.Structure):
 
 
 class SmGrant(ct.Structure):
-    _fields_ = [("granted", ct.c_uint64), ("limited", ct.c_uint32), ("pad", ct.c_uint32)]
+    _fields_ = [("granted", ct.c_uint64), ("limited", ct.c_uint32), ("checkpoint", ct.c_uint32)]
 
 
 class SmUse(ct.Structure):
     _fields_ = [("consumed", ct.c_uint64), ("launches", ct.c_uint64), ("completed", ct.c_uint64),
-                ("sync_ns", ct.c_uint64), ("completed_ns", ct.c_uint64)]
+                ("sync_ns", ct.c_uint64), ("completed_ns", ct.c_uint64),
+                ("checkpoint_ns", ct.c_uint64)]
 
 
 class SyncAt(ct.Structure):

@@ -1071,7 +1071,10 @@ class Daemon:
                                 f"{f', host-bound: +{b.probe_share:.1%} for the probe' if b.probe_share else ''}"
                                 f"{', from completions' if b.by_completion else ''})",
                                 group=group, device=dev, full_rate=b.full_rate, pace=b.pace,
-                                work_per_unit=b.work_per_unit, contended=b.contended)
+                                work_per_unit=b.work_per_unit, contended=b.contended,
+                                # launched, not known done: runs at the GPU's
+                                # full pace whatever the grant (checkpoints)
+                                queued=consumed - (completed or 0))
                 if self.cfg.sm_lend_idle:
                     others = [(prio_of.get(k[0], HAMI_DEFAULT_PRIORITY),
                                now - self._last_busy.get(k, -1e9) <= BUSY_S)
@@ -1085,7 +1088,10 @@ class Daemon:
                                     + ("held to its cap again" if held else
                                        "may use what is idle (no busy group of higher or equal "
                                        "priority)"), group=group, device=dev, lending=not held)
-                self.probes.set_sm_grant(g.index, dev, granted, True)
+                # No checkpoint for a group free to use what is idle: it is
+                # not held to anything the learning would apply.
+                self.probes.set_sm_grant(g.index, dev, granted, True,
+                                         checkpoint=b.learning and key not in self.lending)
                 # Resume with some budget in hand, not a sliver: fewer, longer holds.
                 margin = (b.rate or 0) * RESUME_MARGIN_S
                 room = room and consumed + margin < granted

@@ -511,8 +511,12 @@ class Probes:
         v = abi.GLim(limit=abi.UNLIMITED if limit is None else limit, total=total or 0)
         self._update("grp_lim", key, v, BPF_ANY)
 
-    def set_sm_grant(self, group_index: int, device: int, granted: int, limited: bool) -> None:
-        v = abi.SmGrant(granted=granted, limited=1 if limited else 0)
+    def set_sm_grant(self, group_index: int, device: int, granted: int, limited: bool,
+                     checkpoint: bool = False) -> None:
+        """`checkpoint`: while learning, a synchronize's return spends the
+        grant (hami.h, hami_smgrant), so the next launch waits for a tick."""
+        v = abi.SmGrant(granted=granted, limited=1 if limited else 0,
+                        checkpoint=1 if checkpoint else 0)
         self._update("sm_grant", abi.GKey(group=group_index, device=device), v, BPF_ANY)
 
     def delete_sm_grant(self, group_index: int, device: int) -> None:

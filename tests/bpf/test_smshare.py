@@ -159,3 +159,28 @@ def test_a_group_arriving_next_to_a_throttled_one_learns_the_whole_device(tmp_pa
             f"{got}\n" + "\n".join(learned)
     finally:
         finish_daemon(d)
+
+
+def test_learning_applies_before_a_deep_queue_refills(tmp_path, sim):
+    # A GPU-bound loop synchronizes, and within microseconds of returning
+    # fills its launch queue again (a second of work on the H200); the tick
+    # that learns from that synchronize comes up to 50 ms later, and all of
+    # the refill would run at the GPU's full pace (matmuls settled at 2.3 s).
+    # The synchronize's return spends a learning group's grant instead: its
+    # next launch waits for the controller. Launched-not-done work when it
+    # learned: a launch or two, not a queue (the sim queue holds 500).
+    fake = build(tmp_path / "lib")
+    d = Daemon(fake, extra=["--sm-limits"]).start()
+    try:
+        p = gpu_proc(fake, sim, gname("deep"), sm=50)
+        try:
+            share = bench(p, seconds=5, settle_ms=2000)
+        finally:
+            p.close()
+        learned = [e["data"] for e in query(d.socket, "events", since=0)["events"]
+                   if "learned" in e["message"]]
+        assert learned, d.log()[-2000:]
+        assert learned[0]["queued"] <= 3 * 1000, learned[0]
+        assert abs(share - 50) <= TOLERANCE, f"cap 50 ran at {share:.1f}%"
+    finally:
+        finish_daemon(d)
