@@ -42,7 +42,8 @@ _COUNTERS = (
      "Events lost because the BPF ring buffer was full.", 1),
     ("hami_bpf_events_total", COUNTER_EVENTS, "Events received from the BPF programs.", 1),
     ("hami_bpf_throttle_episodes_total", "throttle_episodes",
-     "Times a process was held back to keep its group under its SM cap.", 1),
+     "Times a process was held back to keep its group under its SM cap "
+     "(and, while its group learns, for a few ms after a synchronize).", 1),
     ("hami_bpf_throttle_seconds_total", "throttle_ms",
      "Time processes spent held back by SM caps, in seconds.", 1e-3),
     ("hami_bpf_reaped_total", "reaped",

@@ -18,6 +18,9 @@ simulated GPU, bench/sim_sm.py; docs/benchmarks.md):
    with the probe's own time). Completions from before the queue filled
    count only where the GPU was busy with this group alone. Without
    synchronizations, the launch rate after the queue has filled is the pace.
+   While a group learns, a synchronize's return also spends its grant (a
+   BPF checkpoint, at most every 200 ms), so the grant that learning sets
+   applies before the workload refills a second-deep queue.
 2. Correct F for contention. If the device was saturated while learning
    (device utilization >= SATURATED), other groups were taking part of it:
    the group's own part of the busy time, Ug (utilization attributed to it:
