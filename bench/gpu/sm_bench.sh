@@ -3,7 +3,8 @@
 #   each workload uncapped, then capped at 25/50/75 (HAMi's CUDA_DEVICE_SM_LIMIT);
 #   two groups at 30/70 side by side (matmul, then small kernels);
 #   host time per launch: no probe vs launch probes attached (same process).
-# Usage: [SECTIONS="single pair cost"] [KINDS="matmul small graph"] bash bench/gpu/sm_bench.sh ; results in
+# Usage: [SECTIONS="single pair cost"] [KINDS="matmul small graph"] [PAIR_KINDS="matmul small"]
+#        [PAIR_SKEW=S: the 70 group starts S seconds before the 30 one] bash bench/gpu/sm_bench.sh ; results in
 # $OUT (sm.jsonl, launch.jsonl, daemon.log). A pair's "relative to uncapped"
 # needs the single section's uncapped rows in the same sm.jsonl.
 SECTIONS=${SECTIONS:-single pair cost}
@@ -28,15 +29,20 @@ want single && for kind in ${KINDS:-matmul small graph}; do
         --label cap$cap | tee -a "$R" | cut -c1-150
   done
 done
-want single || for kind in matmul small; do uncapped $kind; done   # the pairs' baselines
-want pair && for kind in matmul small; do
-  echo "== two groups 30/70 ($kind)"
+PAIR_KINDS=${PAIR_KINDS:-matmul small}; SKEW=${PAIR_SKEW:-0}
+want single || for kind in $PAIR_KINDS; do uncapped $kind; done   # the pairs' baselines
+want pair && for kind in $PAIR_KINDS; do
+  echo "== two groups 30/70 ($kind), the 30 one ${SKEW} s after the 70 one"
   # matmul synchronizes every ~2 s when shared: longer, to see it settle.
-  [ $kind = matmul ] && T="--seconds 16 --settle 8" || T="--seconds 12 --settle 5"
+  [ $kind = matmul ] && s=16 st=8 || s=12 st=5
+  T="--seconds $s --settle $st"
+  # The first one's steady windows are the same stretch of time as the other's.
+  T70="--seconds $(( s + SKEW )) --settle $(( st + SKEW ))"
+  HAMI_GROUP=g70-$kind CUDA_DEVICE_SM_LIMIT=70 $PIN_B python3 $W $kind $T70 --label pair70 >> "$R" &
+  B=$!
+  sleep "$SKEW"
   HAMI_GROUP=g30-$kind CUDA_DEVICE_SM_LIMIT=30 $PIN python3 $W $kind $T --label pair30 >> "$R" &
   A=$!
-  HAMI_GROUP=g70-$kind CUDA_DEVICE_SM_LIMIT=70 $PIN_B python3 $W $kind $T --label pair70 >> "$R" &
-  B=$!
   wait $A $B
 done
 if want cost; then
