@@ -61,7 +61,8 @@ def main() -> int:
     ap.add_argument("--settle-ms", type=int, default=2000)
     ap.add_argument("--pair", default="70,30", help="two groups side by side on the gpu kind; '' to skip")
     ap.add_argument("--pair-skew", type=float, default=0.0,
-                    help="start the pair's second group this many seconds after the first")
+                    help="start the pair's second group this many seconds after the first "
+                         "(its run and settle are that much shorter, so both are steady together)")
     ap.add_argument("--windows", action="store_true", help="print every window's rate")
     a = ap.parse_args()
     fake = build()
@@ -78,12 +79,14 @@ def main() -> int:
                         a.seconds, a.settle_ms, res, f"{kind} cap{cap}")
         if a.pair:
             caps = [int(c) for c in a.pair.split(",")]
+            skew = int(round(a.pair_skew))
             ts = [threading.Thread(target=run_one, args=(
-                fake, sim, "gpu", f"pair{c}-{uuid.uuid4().hex[:4]}", c, a.seconds + 4,
-                a.settle_ms + 2000, res, f"gpu pair{c}")) for c in caps]
+                fake, sim, "gpu", f"pair{c}-{uuid.uuid4().hex[:4]}", c,
+                a.seconds + 4 + (0 if i else skew), a.settle_ms + 2000 + (0 if i else 1000 * skew),
+                res, f"gpu pair{c}")) for i, c in enumerate(caps)]
             for i, t in enumerate(ts):
                 if i:
-                    time.sleep(a.pair_skew)
+                    time.sleep(skew)
                 t.start()
             for t in ts:
                 t.join()
