@@ -10,6 +10,10 @@ daemon with real uprobes throttles real processes; this prints the same table
 as bench/gpu/sm_summary.py.
 
   sudo /opt/hami-bpf/venv/bin/python bench/sim_sm.py [--kinds gpu,small,graph] [--caps 25,50,75]
+
+FAKECUDA_SIM_SHARE_EFF=90 in the environment serves the simulated device by
+processor sharing that loses 10% while processes share it (libcuda.c), as
+two matmul processes time-slicing an H200 do; unset, one FIFO timeline.
 """
 from __future__ import annotations
 
@@ -41,7 +45,8 @@ KINDS = {
 def run_one(fake, sim: str, kind: str, group: str, cap: int | None, seconds: int,
             settle_ms: int, out: dict, label: str) -> None:
     cmd, env = KINDS[kind]
-    env = {**env, "FAKECUDA_GPU_SIM": sim, "FAKECUDA_DEVICES": "1", "HAMI_GROUP": group}
+    env = {**env, "FAKECUDA_GPU_SIM": sim, "FAKECUDA_DEVICES": "1", "HAMI_GROUP": group,
+           "FAKECUDA_SIM_SHARE_EFF": os.environ.get("FAKECUDA_SIM_SHARE_EFF", "")}
     if cap is not None:
         env["CUDA_DEVICE_SM_LIMIT"] = str(cap)
     with CudaProc(fake, env=env) as p:

@@ -24,6 +24,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <sched.h>
 #include <sys/mman.h>
 #include <unistd.h>
 #include <stdint.h>
@@ -153,13 +154,33 @@ static unsigned long long g_launches;
  * processes that keep their queues full share the device evenly; synchronize
  * calls sleep until the process's last launch is done.  Without the variable
  * launches take no device time and synchronize returns at once.
+ *
+ * FAKECUDA_SIM_SHARE_EFF=P (percent) serves the first PS_DEVS devices by
+ * processor sharing instead of one FIFO: every process with work pending is
+ * served at once, each at P%/k of the device while k > 1 share it, alone at
+ * full speed, as a GPU time-slicing contexts does, losing the switches (two
+ * matmul processes on the H200 complete ~90% of what one does alone). The
+ * state is advanced lazily by whichever process calls in, under a spinlock
+ * in the shared file; busy_ns then counts device time served.
  */
+#define PS_DEVS 8
+#define PS_SLOTS 32
+struct ps_slot {
+    unsigned int pid, pad;
+    unsigned long long pending;                 /* device ns of work not yet served */
+};
+struct ps_dev {
+    int lock, pad;
+    unsigned long long t_last;                  /* served up to (CLOCK_MONOTONIC ns) */
+    struct ps_slot s[PS_SLOTS];
+};
 struct gpu_sim {
     unsigned long long busy_until[MAX_DEVICES]; /* the device's queue ends at (CLOCK_MONOTONIC ns) */
     unsigned long long busy_ns[MAX_DEVICES];    /* device time ever queued */
+    struct ps_dev ps[PS_DEVS];                  /* FAKECUDA_SIM_SHARE_EFF only */
 };
 static struct gpu_sim *g_sim;
-static unsigned long long g_ns_per_block, g_graph_ns, g_queue_ns;
+static unsigned long long g_ns_per_block, g_graph_ns, g_queue_ns, g_share_eff;
 static unsigned long long g_last_end[MAX_DEVICES]; /* this process's last launch done at */
 static struct CUctx_st g_primary[MAX_DEVICES];
 static struct alloc *g_table[NBUCKETS];
@@ -193,6 +214,7 @@ static void load_config(void)
     g_ns_per_block = env_ull("FAKECUDA_NS_PER_BLOCK", 1000);
     g_graph_ns = env_ull("FAKECUDA_GRAPH_NS", 50000);
     g_queue_ns = env_ull("FAKECUDA_QUEUE_NS", 500000000ULL);
+    g_share_eff = env_ull("FAKECUDA_SIM_SHARE_EFF", 0);
     const char *sim = getenv("FAKECUDA_GPU_SIM");
     if (sim && *sim) {
         int fd = open(sim, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
@@ -383,6 +405,111 @@ static void ring_retire(unsigned long long now)
     }
 }
 
+/* ---- processor sharing (FAKECUDA_SIM_SHARE_EFF) ---- */
+static void ps_lock(struct ps_dev *d)
+{
+    while (__atomic_exchange_n(&d->lock, 1, __ATOMIC_ACQUIRE))
+        sched_yield();
+}
+
+static void ps_unlock(struct ps_dev *d)
+{
+    __atomic_store_n(&d->lock, 0, __ATOMIC_RELEASE);
+}
+
+/* Serve the pending work of every process on `dev` up to `now`. */
+static void ps_advance(int dev, struct ps_dev *d, unsigned long long now)
+{
+    if (now <= d->t_last)
+        return;
+    double dt = d->t_last ? (double)(now - d->t_last) : 0.0;
+    d->t_last = now;
+    while (dt > 0) {
+        int k = 0;
+        unsigned long long least = 0;
+        for (int i = 0; i < PS_SLOTS; i++) {
+            unsigned long long p = d->s[i].pending;
+            if (p) {
+                k++;
+                if (!least || p < least)
+                    least = p;
+            }
+        }
+        if (!k)
+            break;
+        double rate = (k == 1 ? 1.0 : (double)g_share_eff / 100.0) / k;  /* work per ns, each */
+        double step = (double)least / rate;
+        if (step > dt)
+            step = dt;
+        unsigned long long w = (unsigned long long)(step * rate + 0.5);
+        if (!w)
+            w = 1;
+        for (int i = 0; i < PS_SLOTS; i++)
+            if (d->s[i].pending)
+                d->s[i].pending = d->s[i].pending > w ? d->s[i].pending - w : 0;
+        __atomic_add_fetch(&g_sim->busy_ns[dev], (unsigned long long)step, __ATOMIC_RELAXED);
+        dt -= step;
+    }
+}
+
+/* This process's slot (a free one taken on first use); NULL if all are busy. */
+static struct ps_slot *ps_mine(struct ps_dev *d)
+{
+    unsigned int me = (unsigned int)getpid();
+    struct ps_slot *spare = NULL;
+    for (int i = 0; i < PS_SLOTS; i++) {
+        if (d->s[i].pid == me)
+            return &d->s[i];
+        if (!spare && !d->s[i].pending)
+            spare = &d->s[i];
+    }
+    if (spare)
+        spare->pid = me;
+    return spare;
+}
+
+static void sleep_ns(unsigned long long ns)
+{
+    sleep_until_ns(mono_ns() + ns);
+}
+
+/* Queue `ns` of work, waiting while this process has more than
+ * FAKECUDA_QUEUE_NS pending (the driver's push-back). */
+static void ps_launch(int dev, unsigned long long ns)
+{
+    struct ps_dev *d = &g_sim->ps[dev];
+    for (;;) {
+        ps_lock(d);
+        ps_advance(dev, d, mono_ns());
+        struct ps_slot *m = ps_mine(d);
+        if (!m || !m->pending || m->pending + ns <= g_queue_ns) {
+            if (m)
+                m->pending += ns;
+            ps_unlock(d);
+            return;
+        }
+        unsigned long long over = m->pending + ns - g_queue_ns;
+        ps_unlock(d);
+        sleep_ns(over < 50000 ? 50000 : over > 2000000 ? 2000000 : over);
+    }
+}
+
+/* Wait until this process's work is served (polling keeps the state moving). */
+static void ps_sync(int dev)
+{
+    struct ps_dev *d = &g_sim->ps[dev];
+    for (;;) {
+        ps_lock(d);
+        ps_advance(dev, d, mono_ns());
+        struct ps_slot *m = ps_mine(d);
+        unsigned long long p = m ? m->pending : 0;
+        ps_unlock(d);
+        if (!p)
+            return;
+        sleep_ns(p < 20000 ? 20000 : p > 1000000 ? 1000000 : p);
+    }
+}
+
 /* Queue `ns` of device time on `dev`. One FIFO timeline per device, shared by
  * all processes: work-conserving, and fair between processes that keep their
  * queues full, since each may hold at most FAKECUDA_QUEUE_NS of it. */
@@ -390,6 +517,10 @@ static void sim_launch(int dev, unsigned long long ns)
 {
     if (!g_sim || dev < 0 || dev >= MAX_DEVICES)
         return;
+    if (g_share_eff && dev < PS_DEVS) {
+        ps_launch(dev, ns);
+        return;
+    }
     pthread_mutex_lock(&g_ring_lock);
     unsigned long long now = mono_ns();
     ring_retire(now);
@@ -419,6 +550,10 @@ static void sim_launch(int dev, unsigned long long ns)
 
 static void sim_sync(int dev)
 {
+    if (g_sim && g_share_eff && dev >= 0 && dev < PS_DEVS) {
+        ps_sync(dev);
+        return;
+    }
     if (g_sim && dev >= 0 && dev < MAX_DEVICES)
         sleep_until_ns(__atomic_load_n(&g_last_end[dev], __ATOMIC_RELAXED));
 }
