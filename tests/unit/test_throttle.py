@@ -380,20 +380,25 @@ def test_a_neighbour_blocked_on_its_queue_still_counts_by_what_it_completes():
                       done_rates={"idle": None})["me"].unknown_others_rate == 0.0
 
 
+def next_to_unpaced(unpaced_until):
+    """Ticks of a GPU-bound group (50k/s, synchronizing every 0.25 s, mostly
+    waiting) next to a neighbour with no pace until `unpaced_until` s: it
+    launches nothing until then (blocked on its full queue), 50k/s after."""
+    def step(n):
+        t = n * 0.05
+        return dict(consumed=2500 * n, completed=2500 * (n - n % 5) or None,
+                    sync_ns=40_000_000 * n,
+                    device=DeviceView(100.0, 0.0, 50_000.0 if t >= unpaced_until else 0.0,
+                                      others_unpaced=t < unpaced_until))
+    return step
+
+
 def test_waits_while_a_busy_neighbour_has_no_pace_yet():
     # The neighbour filled its queue and blocks: it launches nothing and has
     # not synchronized yet, so nothing says how much of the device it holds
     # (the simulator: a 70% group learned half the device as its whole).
     b = Budget(cap=70)
-    unpaced_until = 2.0
-
-    def step(n):
-        t = n * 0.05
-        return dict(consumed=2500 * n, completed=2500 * (n - n % 5) or None,
-                    sync_ns=40_000_000 * n,      # GPU-bound: mostly waiting
-                    device=DeviceView(100.0, 0.0, 50_000.0 if t >= unpaced_until else 0.0,
-                                      others_unpaced=t < unpaced_until))
-    learn_with(b, step)
+    learn_with(b, next_to_unpaced(2.0))
     # Not from a span that still had the unpaced neighbour in it: split 50/50.
     assert not b.learning and b.contended and abs(b.full_rate - 100_000) / 100_000 < 0.1, b.full_rate
 
@@ -406,14 +411,7 @@ def test_a_neighbour_unpaced_past_the_wait_is_not_taken_for_an_idle_one(unpaced_
     # no tick to go by, the GPU time-slices the two evenly (H200, matmul pair
     # 30/70: the 30% group learned half its full rate, 15.9% for a cap of 30).
     b = Budget(cap=30)
-
-    def step(n):
-        t = n * 0.05
-        return dict(consumed=2500 * n, completed=2500 * (n - n % 5) or None,
-                    sync_ns=40_000_000 * n,      # GPU-bound: mostly waiting
-                    device=DeviceView(100.0, 0.0, 50_000.0 if t >= unpaced_until else 0.0,
-                                      others_unpaced=t < unpaced_until))
-    learn_with(b, step)
+    learn_with(b, next_to_unpaced(unpaced_until))
     assert not b.learning and b.contended
     assert abs(b.full_rate - 100_000) / 100_000 < 0.1, b.full_rate
 
