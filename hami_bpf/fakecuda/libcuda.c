@@ -468,9 +468,19 @@ static struct ps_slot *ps_mine(struct ps_dev *d)
     return spare;
 }
 
-static void sleep_ns(unsigned long long ns)
+/* Lock `dev`, serve it up to now and return this process's slot; the
+ * caller unlocks. */
+static struct ps_slot *ps_enter(int dev, struct ps_dev *d)
 {
-    sleep_until_ns(mono_ns() + ns);
+    ps_lock(d);
+    ps_advance(dev, d, mono_ns());
+    return ps_mine(d);
+}
+
+/* Sleep about `ns` (work still to be served), between lo and hi. */
+static void ps_wait(unsigned long long ns, unsigned long long lo, unsigned long long hi)
+{
+    sleep_until_ns(mono_ns() + (ns < lo ? lo : ns > hi ? hi : ns));
 }
 
 /* Queue `ns` of work, waiting while this process has more than
@@ -479,9 +489,7 @@ static void ps_launch(int dev, unsigned long long ns)
 {
     struct ps_dev *d = &g_sim->ps[dev];
     for (;;) {
-        ps_lock(d);
-        ps_advance(dev, d, mono_ns());
-        struct ps_slot *m = ps_mine(d);
+        struct ps_slot *m = ps_enter(dev, d);
         if (!m || !m->pending || m->pending + ns <= g_queue_ns) {
             if (m)
                 m->pending += ns;
@@ -490,7 +498,7 @@ static void ps_launch(int dev, unsigned long long ns)
         }
         unsigned long long over = m->pending + ns - g_queue_ns;
         ps_unlock(d);
-        sleep_ns(over < 50000 ? 50000 : over > 2000000 ? 2000000 : over);
+        ps_wait(over, 50000, 2000000);
     }
 }
 
@@ -499,14 +507,12 @@ static void ps_sync(int dev)
 {
     struct ps_dev *d = &g_sim->ps[dev];
     for (;;) {
-        ps_lock(d);
-        ps_advance(dev, d, mono_ns());
-        struct ps_slot *m = ps_mine(d);
+        struct ps_slot *m = ps_enter(dev, d);
         unsigned long long p = m ? m->pending : 0;
         ps_unlock(d);
         if (!p)
             return;
-        sleep_ns(p < 20000 ? 20000 : p > 1000000 ? 1000000 : p);
+        ps_wait(p, 20000, 1000000);
     }
 }
 
