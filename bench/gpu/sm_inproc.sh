@@ -38,6 +38,8 @@ grep -i "learned\|reload" "$OUT/events.txt" | cut -c1-220
 stop_daemon
 python3 - "$R" "$MARK" "$SETTLE" <<'PY'
 import json, sys
+sys.path.insert(0, "bench/gpu")
+from sm_summary import settled
 mark, settle = float(sys.argv[2]), float(sys.argv[3])
 print("| workload | cap | uncapped (own, before the cap) | capped (from cap + settle) | relative | target | settled after the cap |")
 print("|---|---:|---:|---:|---:|---:|---:|")
@@ -52,12 +54,6 @@ for line in open(sys.argv[1]):
         print(f"| {r['kind']} | {cap} | too few windows | | | |")
         continue
     b, a = sum(before) / len(before), sum(after) / len(after)
-    # first window from which every later one is within ±5 points (0.25 s windows)
-    ws = [(t, v) for t, v in r["windows"] if t >= mark]
-    settled = "never"
-    for i in range(len(ws)):
-        if all(abs(100 * v / b - cap) <= 5 for _t, v in ws[i:]):
-            settled = f"{ws[i][0] - mark:.2f} s"
-            break
-    print(f"| {r['kind']} | {cap} | {b:.1f} | {a:.1f} | {100 * a / b:.1f}% | {cap}% | {settled} |")
+    print(f"| {r['kind']} | {cap} | {b:.1f} | {a:.1f} | {100 * a / b:.1f}% | {cap}% "
+          f"| {settled(r['windows'], b, cap, start=mark)} |")
 PY
