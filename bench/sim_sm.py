@@ -69,12 +69,13 @@ def main() -> int:
                     help="start the pair's second group this many seconds after the first "
                          "(its run and settle are that much shorter, so both are steady together)")
     ap.add_argument("--windows", action="store_true", help="print every window's rate")
+    ap.add_argument("--no-turns", action="store_true", help="the daemon with --no-sm-turns")
     a = ap.parse_args()
     fake = build()
     sim = os.path.join("/dev/shm", f"hami-sim-{uuid.uuid4().hex[:8]}")
     res: dict = {}
     os.environ["HAMI_BPF_SIM_GPU"] = sim     # the daemon reads utilization from it
-    d = Daemon(fake, extra=["--sm-limits"] + (["-v"] if os.environ.get("HAMI_SIM_VERBOSE") else [])).start()
+    d = Daemon(fake, extra=["--sm-limits"] + (["--no-sm-turns"] if a.no_turns else []) + (["-v"] if os.environ.get("HAMI_SIM_VERBOSE") else [])).start()
     try:
         for kind in a.kinds.split(","):
             run_one(fake, sim, kind, f"base-{kind}-{uuid.uuid4().hex[:4]}", None, a.seconds,
@@ -100,7 +101,7 @@ def main() -> int:
         try:
             from hami_bpf.server import query
             for e in query(d.socket, "events", since=0)["events"]:
-                if "learned" in e.get("message", ""):
+                if "learned" in e.get("message", "") or "turns" in e.get("message", ""):
                     log += "\n" + e["message"]
         except Exception as e:  # noqa: BLE001 - a bench: say it and go on
             log += f"\nevents: {e}"

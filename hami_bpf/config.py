@@ -62,6 +62,7 @@ class DaemonConfig:
     sm_limits: bool = True               # enforce SM caps (throttle launches); off: caps are shown only
     hami_regions: str | None = None      # publish HAMi shared-region files under this dir; None = off
     sm_lend_idle: bool = False           # a capped group may use what higher/equal priority leave idle
+    sm_turns: bool = True                # groups capped on one device take turns (throttle.turns)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "libcuda", tuple(self.libcuda))

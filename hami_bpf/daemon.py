@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -29,8 +30,9 @@ from .limits import (HAMI_DEFAULT_PRIORITY, EnvLimits, PolicyError, effective_li
                      visible_to_physical)
 from .metrics import observe_exit_latency
 from .slots import SlotTable
-from .throttle import (BUSY_S, UNLIMITED, Budget, Completions, completion_rate, held_to_cap,
-                       neighbours, tick as budget_tick)
+from .throttle import (BUSY_S, TURN_CALIBRATE_S, TURN_PERIOD_S, UNLIMITED, Budget, Completions,
+                       Turn, completion_rate, held_to_cap, neighbours, next_edge, raise_rate,
+                       tick as budget_tick, turn_gain, turns)
 from .snapshot import (SCHEMA_VERSION, DeviceInfo, DeviceUsage, EventRecord, GroupInfo, ProcessInfo,
                        SlotInfo, Snapshot)
 
@@ -304,6 +306,11 @@ class Daemon:
         self._last_busy: dict[tuple[int, int], float] = {}   # (group index, device) -> last launch seen
         self._budget_logged: dict[tuple[int, int], float] = {}
         self.lending: set[tuple[int, int]] = set()           # (group index, device) above its cap now
+        # Slots of the groups taking turns on a device (throttle.turns), by
+        # (group index, device); counted from the daemon's start.
+        self.turns: dict[tuple[int, int], Turn] = {}
+        self._turn_epoch = time.monotonic()
+        self._turns_read: float | None = None   # when turn_gain() last read the devices
         self.throttled: dict[str, set[int]] = {}
         self.throttle_since: dict[str, float] = {}
         self._prev_use: dict[tuple[int, int], tuple[float, int]] = {}
@@ -762,8 +769,7 @@ class Daemon:
             self.probes.heartbeat()
             # While a group is held, tick fast: the hold should end as soon as
             # the budget allows, or the held time itself lowers the share.
-            self.probes.poll(int((HELD_TICK_S if self.throttled else THROTTLE_TICK_S) * 1000)
-                             if self.sm_caps else POLL_MS)
+            self.probes.poll(self._poll_ms())
             now = time.monotonic()
             if self.sm_caps:
                 self._throttle_tick(now)
@@ -779,6 +785,16 @@ class Daemon:
                 self.reload_policy()
             if self._dirty or self.cfg.count_launches or self.sm_caps:
                 self._rebuild_snapshot()
+
+    def _poll_ms(self) -> int:
+        if not self.sm_caps:
+            return POLL_MS
+        wait = HELD_TICK_S if self.throttled else THROTTLE_TICK_S
+        # Turns begin and end on time: a tick at every slot's edges.
+        edge = next_edge(self.turns.values(), time.monotonic()) if self.turns else None
+        if edge is not None:
+            wait = min(wait, edge - time.monotonic())
+        return max(1, math.ceil(wait * 1000))
 
     def stop(self) -> None:
         self._stop.set()
@@ -1027,7 +1043,11 @@ class Daemon:
                    for g in self.table.groups()} if self.cfg.sm_lend_idle else {}
         # Only a budget still learning reads the device (a new one learns too):
         # no NVML call per tick once every capped group has its rate.
-        learning = any(b.learning for b in self.budgets.values()) or any(
+        # A budget on a device its group never launched on stays "learning"
+        # (nothing to learn from) and needs no reading.
+        learning = any(b.learning and (b.active_since is not None
+                                       or use.get(k, (0,))[0] > b.start_consumed)
+                       for k, b in self.budgets.items()) or any(
             (g.index, dev) not in self.budgets for name, caps in self.sm_caps.items()
             if (g := self.table.group(name)) is not None for dev in caps)
         share = {}
@@ -1046,6 +1066,8 @@ class Daemon:
             for dev, r in rates.items():
                 share.update(neighbours(util.get(dev), r, known, now, done_rates,
                                         frozenset(k for k in unpaced if k[1] == dev)))
+        if self.cfg.sm_turns:
+            self._take_turns(use)
         for group, caps in list(self.sm_caps.items()):
             g = self.table.group(group)
             if g is None:
@@ -1062,7 +1084,7 @@ class Daemon:
                 granted = budget_tick(b, now=now, consumed=consumed, launches=n_launch,
                                       completed=completed or None, sync_ns=sync_ns,
                                       completed_at=done_ns / 1e9 if done_ns else None,
-                                      device=share.get(key))
+                                      device=share.get(key), turn=self.turns.get(key))
                 if was_learning and not b.learning:
                     self.record("throttle", f"group {group!r} device {dev}: cap {cap}% of a "
                                 f"learned full rate of {b.full_rate:.4g} units/s (pace "
@@ -1112,6 +1134,64 @@ class Daemon:
                 self._resume_group(group)
             if group in self.throttled:
                 self.last_throttled[group] = now
+        if self.turns and not learning and self.devices.has_utilization:
+            self._calibrate_turns(now)
+
+    def _calibrate_turns(self, now: float) -> None:
+        """Raise the rates of groups taking turns where the GPU idles in them
+        (throttle.turn_gain): every TURN_CALIBRATE_S, from the utilization
+        since the last reading; the first reading only starts the count."""
+        if self._turns_read is not None and now - self._turns_read < TURN_CALIBRATE_S:
+            return
+        util = self.devices.utilization()
+        first, self._turns_read = self._turns_read is None, now
+        for dev in sorted({d for _g, d in self.turns}):
+            keys = [k for k in self.turns if k[1] == dev and k in self.budgets]
+            budgets = [self.budgets[k] for k in keys]
+            gain = None if first else turn_gain(util.get(dev), [self.turns[k] for k in keys],
+                                                budgets)
+            log.debug("turns on device %d: %s%% busy, slots %s, short %s, gain %s", dev,
+                      util.get(dev), [b.turn_slots for b in budgets],
+                      [b.turn_short for b in budgets], gain)
+            if gain is not None:
+                names = {g.index: g.name for g in self.table.groups()}
+                for k, b in zip(keys, budgets):
+                    raise_rate(b, gain)
+                self.record("throttle", f"device {dev}: {util[dev]:.1f}% busy in turns that "
+                            f"should fill {100 * sum(self.turns[k].length for k in keys):.0f}%: "
+                            f"the rates of " + ", ".join(repr(names.get(k[0], k[0])) for k in keys)
+                            + f" learned side by side were short, raised x{gain:.3f}",
+                            device=dev, gain=gain, util=util[dev])
+            for b in budgets:
+                b.turn_slots = b.turn_short = 0
+
+    def _take_turns(self, use: dict) -> None:
+        """Groups capped on one device take turns where two or more have their
+        rates; not one learning (it runs free), lending idle time, or launching
+        on another device too (a hold stops all of a group's processes, so its
+        turns on two devices would stop it in both)."""
+        devices = collections.defaultdict(set)
+        for (gi, dev), (consumed, *_r) in use.items():
+            if consumed:
+                devices[gi].add(dev)
+        caps = collections.defaultdict(dict)
+        for key, b in self.budgets.items():
+            if not b.learning and key not in self.lending and devices.get(key[0]) == {key[1]}:
+                caps[key[1]][key] = b.cap
+        new = {}
+        for dev, on in caps.items():
+            new.update(turns(on, epoch=self._turn_epoch))
+        for dev in sorted({d for _g, d in new} | {d for _g, d in self.turns}):
+            mine = sorted(k for k in new if k[1] == dev)
+            if mine == sorted(k for k in self.turns if k[1] == dev):
+                continue
+            names = {g.index: g.name for g in self.table.groups()}
+            self.record("throttle", f"device {dev}: " + (
+                "groups " + ", ".join(f"{names.get(k[0], k[0])!r} ({new[k].length:.0%})" for k in mine)
+                + f" take turns every {TURN_PERIOD_S * 1000:g} ms" if mine else "no turns"),
+                device=dev, turns={names.get(k[0], str(k[0])): round(new[k].length, 4) for k in mine})
+            self._turns_read = None     # the utilization of other turns says nothing
+        self.turns = new
 
     def _forget_budget(self, key: tuple[int, int]) -> None:
         """Drop what an SM cap kept for (group index, device): its budget and

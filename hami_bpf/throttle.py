@@ -38,6 +38,16 @@ simulated GPU, bench/sim_sm.py; docs/benchmarks.md):
    uncapped burst. Throughput relative to uncapped is R / F = cap, whatever a
    block or a graph really costs: the units cancel out.
 
+4. Turns. Two processes time-slicing one GPU finish less work together
+   than either alone (H200, 8192^2 matmuls: the pair 92.3% of one alone),
+   so two groups capped at 30 and 70, each paced at its cap, could not both
+   reach it. Where two or more groups capped on one device only have their
+   rates, they take turns instead (turns()): each owns a slot of a period
+   (TURN_PERIOD_S) as long as its cap, is granted the slot's whole work as
+   it begins and nothing once it ends, so their work reaches the GPU one
+   group at a time (taking turns by the clock, the same pair did 97.3%:
+   bench/gpu/turns.sh).
+
 No feedback loop trims R afterwards. Two were tried on the H200 and in the
 simulator: one on completions, one on NVML utilization. Both react to a
 signal that lags the launches by the whole launch queue (up to ~1 s), and
@@ -71,6 +81,13 @@ DONE_MIN_SPAN_S = 0.4
 DONE_KEEP_S = 6.0     # ... or, where synchronizes are sparse, over the last few within this
 TICKS_KEEP_S = DONE_KEEP_S  # learning ticks kept (host rate, host-side ceiling)
 HOST_BOUND_SHARE = 0.01  # a probe share under this is no sign the launcher set the pace
+TURN_PERIOD_S = 0.1   # groups capped on one device take turns within this period
+TURN_SHORT = 0.05     # a slot's work left unlaunched past this part of it: the slot was short of work
+TURN_CALIBRATE_S = 1.5  # turns' device utilization is read over this long (NVML lags ~1 s)
+TURN_IDLE_PTS = 4.0   # points of its turns' time a device may idle before their rates are raised
+TURN_MAX_GAIN = 1.25  # ... by at most this much in all
+TURN_HEADROOM = 2.0   # points of its turns' time left idle after raising: none would let any
+                      # late handoff push a slot's work into the next one, where it time-slices
 
 
 class Sample(NamedTuple):
@@ -111,6 +128,12 @@ class Budget:
     fresh_since: float = 0.0        # learn only from completions after this (a neighbour changed)
     launcher_bound: bool = False    # F was capped by host_ceiling
     by_completion: bool = False     # the pace came from completions (the GPU's)
+    turn_k: int | None = None       # the period whose turn it was last granted
+    turn_open: bool = False         # its slot is running (granted, not yet taken back)
+    turn_lump: float = 0.0          # the work granted at its slot's start
+    turn_slots: int = 0             # slots ended since the device's utilization was last read
+    turn_short: int = 0             # ... of them with work left unlaunched (TURN_SHORT)
+    turn_gain: float = 1.0          # what turn_gain() raised its full rate by, in all
 
     @property
     def learning(self) -> bool:
@@ -281,14 +304,110 @@ def _learned(b: Budget, pace: float, since: float, until: float, consumed: int) 
     return b.granted
 
 
+class Turn(NamedTuple):
+    """A group's slot: [start, start + length) of every period (fractions of
+    it) counted from `epoch`, in seconds on the daemon's clock."""
+    epoch: float
+    period: float
+    start: float
+    length: float
+
+    def edges(self, now: float) -> tuple[float, float]:
+        """The start and end of the slot now running, or of the next one."""
+        k = math.floor((now - self.epoch) / self.period - self.start)
+        t0 = self.epoch + (k + self.start) * self.period
+        if now >= t0 + self.length * self.period:
+            t0 += self.period
+        return t0, t0 + self.length * self.period
+
+
+def turns(caps: dict, *, epoch: float, period: float = TURN_PERIOD_S) -> dict:
+    """Slots for the groups capped on one device ({key: cap percent}), in
+    key order, each as long as its cap (as its share of the caps' sum where
+    they add up past 100); what caps leave is the period's tail, for
+    uncapped groups. One group alone takes no turn."""
+    if len(caps) < 2:
+        return {}
+    scale = max(100.0, float(sum(caps.values())))
+    out, at = {}, 0.0
+    for key in sorted(caps):
+        out[key] = Turn(epoch, period, at, caps[key] / scale)
+        at += caps[key] / scale
+    return out
+
+
+def next_edge(slots, now: float) -> float | None:
+    """When the next slot of any of `slots` begins or ends."""
+    edges = [e for t in slots for e in t.edges(now) if e > now]
+    return min(edges, default=None)
+
+
+def _take_turn(b: Budget, turn: Turn, now: float, consumed: int) -> int:
+    start, end = turn.edges(now)
+    if start <= now < end:
+        k = round((start - turn.epoch) / turn.period)
+        if b.turn_k != k:
+            # The whole slot's work at once: a GPU-bound launcher queues it
+            # and the GPU runs it while the others wait their turns.
+            b.turn_k, b.turn_open = k, True
+            b.turn_lump = b.full_rate * turn.length * turn.period
+            # A launch that found the last slot's work spent was still let
+            # through (the probe stops its process after it): this slot pays.
+            owed = max(0.0, consumed - (b.credit if b.credit is not None else consumed))
+            b.credit = consumed + max(0.0, b.turn_lump - owed)
+            b.granted = int(math.ceil(b.credit))
+    else:
+        if b.turn_open:
+            b.turn_open = False
+            b.turn_slots += 1
+            if b.granted - consumed > TURN_SHORT * b.turn_lump:
+                b.turn_short += 1
+        if b.granted > consumed:
+            # Not its slot: work it launched now would run in another's.
+            b.granted, b.credit = consumed, float(consumed)
+        else:
+            b.credit = min(b.credit if b.credit is not None else consumed, float(consumed))
+    return b.granted
+
+
+def turn_gain(util: float | None, slots: list, budgets: list) -> float | None:
+    """How much to raise the full rates of the groups taking `slots` on a
+    device that was `util` percent busy meanwhile, or None.
+
+    Groups that learned side by side learned the rate they got from a GPU
+    time-slicing them, which does less in all than one alone (H200 matmuls:
+    92%), and so learned their full rates short by as much. Taking turns,
+    each then launches its slot's work and the GPU finishes it early: it
+    idles at the end of every slot. Where every group is GPU-bound (paced by
+    its completions) and used every slot's work, that idle time is what
+    their rates fall short by."""
+    busy = 100.0 * sum(t.length for t in slots)
+    if util is None or util <= 0 or util >= busy - TURN_IDLE_PTS:
+        return None
+    if not any(b.contended for b in budgets) or any(
+            b.turn_short or b.turn_slots < 3 or b.launcher_bound or b.probe_share
+            or not b.by_completion for b in budgets):
+        return None
+    gain = min((busy - TURN_HEADROOM) / util, *(TURN_MAX_GAIN / b.turn_gain for b in budgets))
+    return gain if gain > 1.0 + 1e-3 else None
+
+
+def raise_rate(b: Budget, gain: float) -> None:
+    b.full_rate *= gain
+    b.turn_gain *= gain
+    b.rate = max(MIN_RATE, b.cap / 100.0 * b.full_rate)
+
+
 def tick(b: Budget, *, now: float, consumed: int, launches: int = 0, completed: int | None = None,
          completed_at: float | None = None, sync_ns: int = 0,
          device: "DeviceView | None" = None, learn_s: float = LEARN_S,
-         burst_s: float = BURST_S) -> int:
+         burst_s: float = BURST_S, turn: Turn | None = None) -> int:
     """Advance one budget to `now` given the probes' cumulative `consumed`,
     `completed` (and when it last advanced, `completed_at`, on the same
     clock as `now`) and `sync_ns`, and where known what the device did over
-    the last tick (`device`, from neighbours()); return the new `granted`."""
+    the last tick (`device`, from neighbours()); return the new `granted`.
+    With a `turn` (turns()), a group that has its rate is granted only in
+    its slots."""
     note_done(b.done, now, completed, completed_at)
     if b.started is None:
         b.started = b.last_t = now
@@ -366,6 +485,9 @@ def tick(b: Budget, *, now: float, consumed: int, launches: int = 0, completed: 
     pace = completion_rate(b, now) if b.by_completion else None
     seen = 100.0 * (pace if pace is not None else rate_seen) / b.full_rate
     b.last_share = seen if b.last_share is None else 0.8 * b.last_share + 0.2 * seen
+    if turn is not None:
+        return _take_turn(b, turn, now, consumed)
+    b.turn_k, b.turn_open = None, False
     # Credit is kept as a float: at a few units per second, rounding each
     # tick's grant down to an integer would grant nothing, ever.
     credit = b.credit if b.credit is not None else float(b.granted)

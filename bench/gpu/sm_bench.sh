@@ -4,7 +4,8 @@
 #   two groups at 30/70 side by side (matmul, then small kernels);
 #   host time per launch: no probe vs launch probes attached (same process).
 # Usage: [SECTIONS="single pair cost"] [KINDS="matmul small graph"] [PAIR_KINDS="matmul small"]
-#        [PAIR_SKEW=S: the 70 group starts S seconds before the 30 one] bash bench/gpu/sm_bench.sh ; results in
+#        [PAIR_SKEW=S: the 70 group starts S seconds before the 30 one]
+#        [DAEMON_ARGS=--no-sm-turns] bash bench/gpu/sm_bench.sh ; results in
 # $OUT (sm.jsonl, launch.jsonl, daemon.log). A pair's "relative to uncapped"
 # needs the single section's uncapped rows in the same sm.jsonl.
 SECTIONS=${SECTIONS:-single pair cost}
@@ -12,7 +13,7 @@ want() { case " $SECTIONS " in *" $1 "*) return 0;; esac; return 1; }
 . bench/gpu/prelude.sh
 R="$OUT/sm.jsonl"; : > "$R"
 t0=$(date +%s)
-start_daemon --sm-limits -v
+start_daemon --sm-limits -v ${DAEMON_ARGS:-}
 echo "daemon ready after $(( $(date +%s) - t0 )) s: $(grep -m1 'launch_probe_cost\|probe' "$OUT/daemon.log" | head -1)"
 W=bench/gpu/sm_workload.py
 # Each workload on a fixed CPU: unpinned, the same host loop ran at ~82k or
@@ -63,6 +64,6 @@ wait $L
 cat "$OUT/launch.jsonl"
 fi
 $H events --socket /tmp/h.sock > "$OUT/events.txt" 2>&1
-grep -i "learned" "$OUT/events.txt" | cut -c1-220
+grep -i "learned\|turns\|raised" "$OUT/events.txt" | cut -c1-220
 kill -TERM $DPID; wait $DPID; echo "daemon exit $? after $(( $(date +%s) - t0 )) s"
 python3 bench/gpu/sm_summary.py "$R"

@@ -2,7 +2,9 @@
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from hami_bpf.throttle import LEARN_MAX_S, Budget, DeviceView, completion_rate, neighbours, tick
+from hami_bpf.throttle import (LEARN_MAX_S, TURN_HEADROOM, TURN_IDLE_PTS, TURN_MAX_GAIN,
+                               TURN_PERIOD_S, Budget, DeviceView, Turn, completion_rate, neighbours,
+                               next_edge, raise_rate, tick, turn_gain, turns)
 
 
 def run(b, rate_fn, seconds, dt=0.05, device_fn=None, start=0.0, consumed=0):
@@ -426,3 +428,141 @@ def test_a_gpu_bound_group_read_while_nvml_lags_gets_no_probe_credit():
                                  sync_ns=1_000_000 * (n // 5),
                                  device=DeviceView(60.0, 0.0, 0.0)))
     assert not b.learning and b.probe_share == 0.0 and b.full_rate == b.pace
+
+
+# -- turns -------------------------------------------------------------------
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.integers(0, 20), st.integers(1, 99), min_size=2, max_size=6),
+       st.floats(0, 1000))
+def test_turns_never_overlap_and_each_is_as_long_as_its_cap(caps, epoch):
+    slots = turns(caps, epoch=epoch)
+    assert set(slots) == set(caps)
+    scale = max(100, sum(caps.values()))
+    spans = sorted((t.start, t.start + t.length) for t in slots.values())
+    assert spans[0][0] == 0 and spans[-1][1] <= 1 + 1e-9
+    assert all(a[1] <= b[0] + 1e-9 for a, b in zip(spans, spans[1:]))
+    for k, t in slots.items():
+        assert t.length == pytest.approx(caps[k] / scale)
+
+
+def test_one_group_alone_takes_no_turn():
+    assert turns({(1, 0): 30}, epoch=0.0) == {}
+
+
+@given(st.floats(0, 0.99), st.floats(0.01, 1.0), st.floats(0, 10), st.floats(0, 10))
+def test_a_turns_edges_hold_now_or_come_next(start, length, epoch, now):
+    t = Turn(epoch, TURN_PERIOD_S, start, min(length, 1 - start))
+    t0, t1 = t.edges(now)
+    assert t1 > now - 1e-9 and t0 <= t1
+    assert t1 - t0 == pytest.approx(t.length * t.period)
+    assert t0 - now < t.period + 1e-9
+    assert next_edge([t], now) in (pytest.approx(t0), pytest.approx(t1), None) or t0 <= now
+
+
+def learned(cap, full_rate):
+    b = Budget(cap=cap)
+    run(b, lambda: full_rate, LEARN_MAX_S + 0.2)
+    assert not b.learning
+    return b
+
+
+def test_a_turn_grants_its_slots_work_as_it_begins_and_nothing_after():
+    b = learned(30, 100_000)
+    turn = Turn(epoch=0.0, period=0.1, start=0.3, length=0.7)
+    consumed = b.last_consumed
+    t = 10.0                                   # a period's start: the slot is 0.03 s on
+    assert tick(b, now=t + 0.01, consumed=consumed, turn=turn) <= consumed
+    g = tick(b, now=t + 0.031, consumed=consumed, turn=turn)
+    assert g - consumed == pytest.approx(b.full_rate * 0.07, rel=0.01)
+    # Launching it all at once takes nothing more from the same slot.
+    assert tick(b, now=t + 0.05, consumed=g, turn=turn) == g
+    # Left unspent at the slot's end: taken back.
+    assert tick(b, now=t + 0.101, consumed=g - 500, turn=turn) == g - 500
+
+
+def test_groups_taking_turns_launch_one_at_a_time_at_their_caps():
+    a, b = learned(30, 100_000), learned(70, 100_000)
+    slots = turns({"a": 30, "b": 70}, epoch=0.0)
+    ca, cb = a.last_consumed, b.last_consumed
+    sa, sb = ca, cb
+    launched_in = {"a": set(), "b": set()}
+    t = 10.0
+    for i in range(2000):              # 2 s in 1 ms ticks: each launches what it may at once
+        t = 10.0 + i * 0.001
+        ga = tick(a, now=t, consumed=ca, turn=slots["a"])
+        gb = tick(b, now=t, consumed=cb, turn=slots["b"])
+        if ga > ca:
+            launched_in["a"].add(i % 100)
+            ca = ga
+        if gb > cb:
+            launched_in["b"].add(i % 100)
+            cb = gb
+    assert (ca - sa) / 2.0 == pytest.approx(30_000, rel=0.03)
+    assert (cb - sb) / 2.0 == pytest.approx(70_000, rel=0.03)
+    # Each at its slot's start (the tick after, where float time falls short).
+    assert launched_in["a"] <= {0, 1} and launched_in["b"] <= {30, 31}
+
+
+def test_a_budget_leaving_its_turns_refills_again():
+    b = learned(50, 100_000)
+    turn = Turn(epoch=0.0, period=0.1, start=0.5, length=0.5)
+    c = b.last_consumed
+    tick(b, now=10.01, consumed=c, turn=turn)         # outside its slot: nothing
+    g = tick(b, now=10.2, consumed=c)                 # no turns any more: the bank refills
+    assert g > c
+
+
+def test_a_launch_past_the_slots_work_is_paid_from_the_next():
+    b = learned(30, 100_000)
+    turn = Turn(epoch=0.0, period=0.1, start=0.0, length=0.3)
+    c = b.last_consumed
+    g = tick(b, now=10.001, consumed=c, turn=turn)
+    lump = g - c
+    # The launch that found the slot spent went through (the probe stops after it).
+    over = g + 1000
+    tick(b, now=10.05, consumed=over, turn=turn)
+    g2 = tick(b, now=10.101, consumed=over, turn=turn)
+    assert g2 - over == pytest.approx(lump - 1000, abs=2)
+
+
+def side_by_side(**kw):
+    b = learned(kw.pop("cap", 30), 100_000)
+    b.contended, b.by_completion, b.turn_slots = True, True, 15
+    for k, v in kw.items():
+        setattr(b, k, v)
+    return b
+
+
+def test_turns_idling_the_gpu_raise_rates_learned_side_by_side():
+    slots = list(turns({"a": 30, "b": 70}, epoch=0.0).values())
+    a, b = side_by_side(), side_by_side(cap=70)
+    gain = turn_gain(90.0, slots, [a, b])
+    assert gain == pytest.approx((100 - TURN_HEADROOM) / 90.0)
+    f = a.full_rate
+    raise_rate(a, gain)
+    assert a.full_rate == pytest.approx(f * gain) and a.rate == pytest.approx(0.3 * a.full_rate)
+    # At most TURN_MAX_GAIN in all, however idle it stays.
+    assert turn_gain(10.0, slots, [a, b]) == pytest.approx(TURN_MAX_GAIN / gain)
+
+
+@pytest.mark.parametrize("why", ["busy", "short", "few", "launcher", "host", "alone", "host-rate"])
+def test_turns_raise_no_rate_without_cause(why):
+    slots = list(turns({"a": 30, "b": 70}, epoch=0.0).values())
+    a, b = side_by_side(), side_by_side(cap=70)
+    util = 90.0
+    if why == "busy":
+        util = 100 - TURN_IDLE_PTS + 0.5      # the handoffs' own idle time
+    elif why == "short":
+        b.turn_short = 1                      # a slot it did not fill: idle by its own doing
+    elif why == "few":
+        a.turn_slots = 2
+    elif why == "launcher":
+        a.launcher_bound = True               # its host, not the GPU, sets its pace
+    elif why == "host":
+        a.probe_share = 0.05
+    elif why == "alone":
+        a.contended = b.contended = False     # rates learned alone are the GPU's
+    else:
+        a.by_completion = False
+    assert turn_gain(util, slots, [a, b]) is None
