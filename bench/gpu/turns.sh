@@ -21,7 +21,8 @@ for kind in ${KINDS:-matmul small}; do
 done
 python3 - "$R" <<'PY'
 import json, sys
-rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+# Two processes append to one file: a line can run into the next.
+rows = [json.loads(l) for l in open(sys.argv[1]).read().replace("}{", "}\n{").splitlines() if l.strip()]
 for kind in dict.fromkeys(r["kind"] for r in rows):
     rs = {r["label"]: r["rate"] for r in rows if r["kind"] == kind}
     base = rs.get("alone")
