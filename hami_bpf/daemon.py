@@ -31,8 +31,8 @@ from .limits import (HAMI_DEFAULT_PRIORITY, EnvLimits, PolicyError, effective_li
 from .metrics import observe_exit_latency
 from .slots import SlotTable
 from .throttle import (BUSY_S, TURN_CALIBRATE_S, TURN_PERIOD_S, UNLIMITED, Budget, Completions,
-                       Turn, completion_rate, held_to_cap, neighbours, next_edge, raise_rate,
-                       tick as budget_tick, turn_gain, turns)
+                       Turn, completion_rate, gpu_bound, held_to_cap, neighbours, next_edge,
+                       raise_rate, tick as budget_tick, turn_gains, turns)
 from .snapshot import (SCHEMA_VERSION, DeviceInfo, DeviceUsage, EventRecord, GroupInfo, ProcessInfo,
                        SlotInfo, Snapshot)
 
@@ -1148,27 +1148,32 @@ class Daemon:
         for dev in sorted({d for _g, d in self.turns}):
             keys = [k for k in self.turns if k[1] == dev and k in self.budgets]
             budgets = [self.budgets[k] for k in keys]
-            gain = None if first else turn_gain(util.get(dev), [self.turns[k] for k in keys],
-                                                budgets)
-            log.debug("turns on device %d: %s%% busy, slots %s, short %s, gain %s", dev,
+            gains = None if first else turn_gains(util.get(dev), [self.turns[k] for k in keys],
+                                                  budgets)
+            log.debug("turns on device %d: %s%% busy, slots %s, short %s, gains %s", dev,
                       util.get(dev), [b.turn_slots for b in budgets],
-                      [b.turn_short for b in budgets], gain)
-            if gain is not None:
+                      [b.turn_short for b in budgets], gains)
+            if gains is not None:
                 names = {g.index: g.name for g in self.table.groups()}
-                for k, b in zip(keys, budgets):
+                for b, gain in zip(budgets, gains):
                     raise_rate(b, gain)
+                busy = 100 * sum(self.turns[k].length for k in keys)
+                said = ", ".join(f"{names.get(k[0], k[0])!r} x{gain:.3f}"
+                                 for k, gain in zip(keys, gains) if gain != 1.0)
                 self.record("throttle", f"device {dev}: {util[dev]:.1f}% busy in turns that "
-                            f"should fill {100 * sum(self.turns[k].length for k in keys):.0f}%: "
-                            f"the rates of " + ", ".join(repr(names.get(k[0], k[0])) for k in keys)
-                            + f" learned side by side were short, raised x{gain:.3f}",
-                            device=dev, gain=gain, util=util[dev])
+                            f"should fill {busy:.0f}%: " + (
+                                f"rates learned side by side were short, raised: {said}"
+                                if gains[0] > 1.0 else f"raised rates overran their turns, "
+                                f"lowered: {said}"),
+                            device=dev, gains=dict(zip((names.get(k[0], str(k[0])) for k in keys),
+                                                       gains)), util=util[dev])
             for b in budgets:
                 b.turn_slots = b.turn_short = 0
 
     def _take_turns(self, use: dict) -> None:
-        """Groups capped on one device take turns where two or more have their
-        rates; not one learning (it runs free), lending idle time, or launching
-        on another device too (a hold stops all of a group's processes, so its
+        """GPU-bound groups capped on one device take turns where two or more
+        have their rates; not one learning (it runs free), lending idle time,
+        host-bound (throttle.gpu_bound), or launching on another device too (a hold stops all of a group's processes, so its
         turns on two devices would stop it in both)."""
         devices = collections.defaultdict(set)
         for (gi, dev), (consumed, *_r) in use.items():
@@ -1176,7 +1181,8 @@ class Daemon:
                 devices[gi].add(dev)
         caps = collections.defaultdict(dict)
         for key, b in self.budgets.items():
-            if not b.learning and key not in self.lending and devices.get(key[0]) == {key[1]}:
+            if (not b.learning and gpu_bound(b) and key not in self.lending
+                    and devices.get(key[0]) == {key[1]}):
                 caps[key[1]][key] = b.cap
         new = {}
         for dev, on in caps.items():

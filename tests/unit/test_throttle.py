@@ -3,8 +3,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from hami_bpf.throttle import (LEARN_MAX_S, TURN_HEADROOM, TURN_IDLE_PTS, TURN_MAX_GAIN,
-                               TURN_PERIOD_S, Budget, DeviceView, Turn, completion_rate, neighbours,
-                               next_edge, raise_rate, tick, turn_gain, turns)
+                               TURN_PERIOD_S, TURN_STEP, Budget, DeviceView, Turn, completion_rate,
+                               gpu_bound, neighbours, next_edge, raise_rate, tick, turn_gains,
+                               turns)
 
 
 def run(b, rate_fn, seconds, dt=0.05, device_fn=None, start=0.0, consumed=0):
@@ -537,16 +538,28 @@ def side_by_side(**kw):
 def test_turns_idling_the_gpu_raise_rates_learned_side_by_side():
     slots = list(turns({"a": 30, "b": 70}, epoch=0.0).values())
     a, b = side_by_side(), side_by_side(cap=70)
-    gain = turn_gain(90.0, slots, [a, b])
-    assert gain == pytest.approx((100 - TURN_HEADROOM) / 90.0)
+    gains = turn_gains(90.0, slots, [a, b])
+    assert gains == [pytest.approx((100 - TURN_HEADROOM) / 90.0)] * 2
     f = a.full_rate
-    raise_rate(a, gain)
-    assert a.full_rate == pytest.approx(f * gain) and a.rate == pytest.approx(0.3 * a.full_rate)
+    raise_rate(a, gains[0])
+    raise_rate(b, gains[1])
+    assert a.full_rate == pytest.approx(f * gains[0]) and a.rate == pytest.approx(0.3 * a.full_rate)
     # At most TURN_MAX_GAIN in all, however idle it stays.
-    assert turn_gain(10.0, slots, [a, b]) == pytest.approx(TURN_MAX_GAIN / gain)
+    assert turn_gains(10.0, slots, [a, b]) == [pytest.approx(TURN_MAX_GAIN / gains[0])] * 2
 
 
-@pytest.mark.parametrize("why", ["busy", "short", "few", "launcher", "host", "alone", "host-rate"])
+def test_a_raised_rate_whose_turns_overran_is_lowered_a_step_at_a_time():
+    slots = list(turns({"a": 30, "b": 70}, epoch=0.0).values())
+    a, b = side_by_side(turn_gain=1.09), side_by_side(cap=70, turn_gain=1.01)
+    b.turn_short = 2            # its synchronizes waited past its slots: the GPU is behind
+    assert turn_gains(100.0, slots, [a, b]) == [1.0, pytest.approx(1 / 1.01)]
+    b.turn_gain = 1.09
+    assert turn_gains(100.0, slots, [a, b]) == [1.0, pytest.approx(1 / TURN_STEP)]
+    b.turn_gain = 1.0           # never below what it learned
+    assert turn_gains(100.0, slots, [a, b]) is None
+
+
+@pytest.mark.parametrize("why", ["busy", "short", "few", "alone"])
 def test_turns_raise_no_rate_without_cause(why):
     slots = list(turns({"a": 30, "b": 70}, epoch=0.0).values())
     a, b = side_by_side(), side_by_side(cap=70)
@@ -557,12 +570,19 @@ def test_turns_raise_no_rate_without_cause(why):
         b.turn_short = 1                      # a slot it did not fill: idle by its own doing
     elif why == "few":
         a.turn_slots = 2
-    elif why == "launcher":
-        a.launcher_bound = True               # its host, not the GPU, sets its pace
-    elif why == "host":
-        a.probe_share = 0.05
-    elif why == "alone":
-        a.contended = b.contended = False     # rates learned alone are the GPU's
     else:
-        a.by_completion = False
-    assert turn_gain(util, slots, [a, b]) is None
+        a.contended = b.contended = False     # rates learned alone are the GPU's
+    assert turn_gains(util, slots, [a, b]) is None
+
+
+@pytest.mark.parametrize("why", ["launcher", "host", "host-rate"])
+def test_only_gpu_bound_groups_take_turns(why):
+    b = side_by_side()
+    assert gpu_bound(b)
+    if why == "launcher":
+        b.launcher_bound = True               # its host, not the GPU, set its pace
+    elif why == "host":
+        b.probe_share = 0.05
+    else:
+        b.by_completion = False
+    assert not gpu_bound(b)
