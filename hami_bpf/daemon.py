@@ -310,7 +310,8 @@ class Daemon:
         # (group index, device); counted from the daemon's start.
         self.turns: dict[tuple[int, int], Turn] = {}
         self._turn_epoch = time.monotonic()
-        self._turns_read: float | None = None   # when turn_gain() last read the devices
+        self._turns_read: float | None = None   # when turn_gains() last read the devices
+        self._turns_util: dict[int, float | None] = {}  # ... and what it read
         self.throttled: dict[str, set[int]] = {}
         self.throttle_since: dict[str, float] = {}
         self._prev_use: dict[tuple[int, int], tuple[float, int]] = {}
@@ -1148,8 +1149,9 @@ class Daemon:
         for dev in sorted({d for _g, d in self.turns}):
             keys = [k for k in self.turns if k[1] == dev and k in self.budgets]
             budgets = [self.budgets[k] for k in keys]
-            gains = None if first else turn_gains(util.get(dev), [self.turns[k] for k in keys],
-                                                  budgets)
+            prev, self._turns_util[dev] = self._turns_util.get(dev), util.get(dev)
+            both = None if prev is None or util.get(dev) is None else max(prev, util[dev])
+            gains = None if first else turn_gains(both, [self.turns[k] for k in keys], budgets)
             log.debug("turns on device %d: %s%% busy, slots %s, short %s, gains %s", dev,
                       util.get(dev), [b.turn_slots for b in budgets],
                       [b.turn_short for b in budgets], gains)
@@ -1160,13 +1162,13 @@ class Daemon:
                 busy = 100 * sum(self.turns[k].length for k in keys)
                 said = ", ".join(f"{names.get(k[0], k[0])!r} x{gain:.3f}"
                                  for k, gain in zip(keys, gains) if gain != 1.0)
-                self.record("throttle", f"device {dev}: {util[dev]:.1f}% busy in turns that "
+                self.record("throttle", f"device {dev}: {both:.1f}% busy in turns that "
                             f"should fill {busy:.0f}%: " + (
                                 f"rates learned side by side were short, raised: {said}"
-                                if gains[0] > 1.0 else f"raised rates overran their turns, "
+                                if max(gains) > 1.0 else f"raised rates overran their turns, "
                                 f"lowered: {said}"),
                             device=dev, gains=dict(zip((names.get(k[0], str(k[0])) for k in keys),
-                                                       gains)), util=util[dev])
+                                                       gains)), util=both)
             for b in budgets:
                 b.turn_slots = b.turn_short = 0
 
@@ -1197,6 +1199,7 @@ class Daemon:
                 + f" take turns every {TURN_PERIOD_S * 1000:g} ms" if mine else "no turns"),
                 device=dev, turns={names.get(k[0], str(k[0])): round(new[k].length, 4) for k in mine})
             self._turns_read = None     # the utilization of other turns says nothing
+            self._turns_util.pop(dev, None)
         self.turns = new
 
     def _forget_budget(self, key: tuple[int, int]) -> None:

@@ -381,28 +381,34 @@ def gpu_bound(b: Budget) -> bool:
 
 def turn_gains(util: float | None, slots: list, budgets: list) -> list[float] | None:
     """What to multiply the full rates of the groups taking `slots` on a
-    device by, given that it was `util` percent busy meanwhile; None: as they are.
+    device by, given that it was `util` percent busy meanwhile (the higher
+    of two readings: NVML's swings by several points); None: as they are.
 
-    Groups that learned side by side learned the rate they got from a GPU
-    time-slicing them, which does less in all than one alone (H200 matmuls:
-    92%), and so learned their full rates short by about as much. Taking
-    turns, each launches its slot's work and the GPU finishes it early: it
-    idles at the end of every slot. Where every group used every slot's
-    work, that idle time (less TURN_HEADROOM) is what their rates fall short
-    by: all are raised by it. Their errors differ, though (H200: raised
-    alike, the 30 group came to 30.0%, the 70 one to 71.9% of its whole,
-    the turns overran, and its synchronizes took whole slots): on a busy
-    device, a raised group whose slots came up short is lowered a step."""
+    Groups that learned side by side (`contended`) learned the rate they got
+    from a GPU time-slicing them, which does less in all than one alone
+    (H200 matmuls: 92%), and so learned their full rates short. Taking
+    turns, such a group launches its slot's work and the GPU finishes it
+    early: it idles at the end of the slot. Where every group used every
+    slot's work, that idle time (less TURN_HEADROOM) is what the contended
+    groups' slots fall short by: they are raised by it; a group that learned
+    alone has its rate right. When the turns overrun on a busy device (a
+    slot comes up short: a synchronize waited past it), every raised group
+    is lowered a step (H200: raised alike, the 70 group came to 71.9% of its
+    whole; which group's synchronize waits says little of which overran)."""
     busy = 100.0 * sum(t.length for t in slots)
     if util is None or util <= 0 or any(b.turn_slots < 3 for b in budgets):
         return None
     if util < busy - TURN_IDLE_PTS:
-        if not any(b.contended for b in budgets) or any(b.turn_short for b in budgets):
+        raised = [t.length * 100.0 for t, b in zip(slots, budgets) if b.contended]
+        if not raised or any(b.turn_short for b in budgets):
             return None
-        gain = min((busy - TURN_HEADROOM) / util, *(TURN_MAX_GAIN / b.turn_gain for b in budgets))
-        return [gain] * len(budgets) if gain > 1.0 + 1e-3 else None
-    gains = [max(1.0 / b.turn_gain, 1.0 / TURN_STEP) if b.turn_short and b.turn_gain > 1.0
-             else 1.0 for b in budgets]
+        gain = (sum(raised) + busy - TURN_HEADROOM - util) / sum(raised)
+        gains = [min(gain, TURN_MAX_GAIN / b.turn_gain) if b.contended else 1.0 for b in budgets]
+        return gains if any(g > 1.0 + 1e-3 for g in gains) else None
+    if not any(b.turn_short for b in budgets):
+        return None
+    gains = [max(1.0 / b.turn_gain, 1.0 / TURN_STEP) if b.turn_gain > 1.0 else 1.0
+             for b in budgets]
     return gains if any(g < 1.0 for g in gains) else None
 
 

@@ -539,7 +539,7 @@ def test_turns_idling_the_gpu_raise_rates_learned_side_by_side():
     slots = list(turns({"a": 30, "b": 70}, epoch=0.0).values())
     a, b = side_by_side(), side_by_side(cap=70)
     gains = turn_gains(90.0, slots, [a, b])
-    assert gains == [pytest.approx((100 - TURN_HEADROOM) / 90.0)] * 2
+    assert gains == [pytest.approx(1 + (100 - TURN_HEADROOM - 90.0) / 100)] * 2
     f = a.full_rate
     raise_rate(a, gains[0])
     raise_rate(b, gains[1])
@@ -548,14 +548,23 @@ def test_turns_idling_the_gpu_raise_rates_learned_side_by_side():
     assert turn_gains(10.0, slots, [a, b]) == [pytest.approx(TURN_MAX_GAIN / gains[0])] * 2
 
 
-def test_a_raised_rate_whose_turns_overran_is_lowered_a_step_at_a_time():
+def test_the_idle_time_is_the_slots_of_the_groups_that_learned_side_by_side():
+    # H200, the 70 group first (alone: its rate right), the 30 one next to it:
+    # raising both alike put the 70 one 17% over and its work into the 30's slots.
+    slots = list(turns({"a": 30, "b": 70}, epoch=0.0).values())
+    a, b = side_by_side(), side_by_side(cap=70, contended=False)
+    gains = turn_gains(94.0, slots, [a, b])
+    assert gains == [pytest.approx((30 + 100 - TURN_HEADROOM - 94.0) / 30), 1.0]
+
+
+def test_raised_rates_whose_turns_overran_are_lowered_a_step_at_a_time():
     slots = list(turns({"a": 30, "b": 70}, epoch=0.0).values())
     a, b = side_by_side(turn_gain=1.09), side_by_side(cap=70, turn_gain=1.01)
     b.turn_short = 2            # its synchronizes waited past its slots: the GPU is behind
+    assert turn_gains(100.0, slots, [a, b]) == [pytest.approx(1 / TURN_STEP), pytest.approx(1 / 1.01)]
+    a.turn_gain = 1.0           # never below what it learned
     assert turn_gains(100.0, slots, [a, b]) == [1.0, pytest.approx(1 / 1.01)]
-    b.turn_gain = 1.09
-    assert turn_gains(100.0, slots, [a, b]) == [1.0, pytest.approx(1 / TURN_STEP)]
-    b.turn_gain = 1.0           # never below what it learned
+    b.turn_short = 0
     assert turn_gains(100.0, slots, [a, b]) is None
 
 
