@@ -1170,7 +1170,7 @@ class Daemon:
                             device=dev, gains=dict(zip((names.get(k[0], str(k[0])) for k in keys),
                                                        gains)), util=both)
             for b in budgets:
-                b.turn_slots = b.turn_short = 0
+                b.turn_short_before, b.turn_slots, b.turn_short = b.turn_short, 0, 0
 
     def _take_turns(self, use: dict) -> None:
         """GPU-bound groups capped on one device take turns where two or more

@@ -87,6 +87,8 @@ TURN_CALIBRATE_S = 1.5  # turns' device utilization is read over this long (NVML
 TURN_IDLE_PTS = 4.0   # points of its turns' time a device may idle before their rates are raised
 TURN_MAX_GAIN = 1.25  # ... by at most this much in all
 TURN_STEP = 1.02      # a raised rate whose turns overran is lowered by this at a time
+TURN_DAMP = 0.5       # a raise makes up this part of the idle time NVML shows: its readings
+                      # move 5-8 points between windows (H200: a full raise overshot twice)
 TURN_HEADROOM = 2.0   # points of its turns' time left idle after raising: none would let any
                       # late handoff push a slot's work into the next one, where it time-slices
 
@@ -134,6 +136,7 @@ class Budget:
     turn_lump: float = 0.0          # the work granted at its slot's start
     turn_slots: int = 0             # slots ended since the device's utilization was last read
     turn_short: int = 0             # ... of them with work left unlaunched (TURN_SHORT)
+    turn_short_before: int = 0      # turn_short at the reading before
     turn_gain: float = 1.0          # what turn_gain() raised its full rate by, in all
 
     @property
@@ -390,9 +393,9 @@ def turn_gains(util: float | None, slots: list, budgets: list) -> list[float] | 
     turns, such a group launches its slot's work and the GPU finishes it
     early: it idles at the end of the slot. Where every group used every
     slot's work, that idle time (less TURN_HEADROOM) is what the contended
-    groups' slots fall short by: they are raised by it; a group that learned
-    alone has its rate right. When the turns overrun on a busy device (a
-    slot comes up short: a synchronize waited past it), every raised group
+    groups' slots fall short by: they are raised by part of it (TURN_DAMP); a group that learned
+    alone has its rate right. When the turns overrun on a busy device (slots
+    come up short in two readings running: synchronizes waited past them), every raised group
     is lowered a step (H200: raised alike, the 70 group came to 71.9% of its
     whole; which group's synchronize waits says little of which overran)."""
     busy = 100.0 * sum(t.length for t in slots)
@@ -402,11 +405,11 @@ def turn_gains(util: float | None, slots: list, budgets: list) -> list[float] | 
         raised = [t.length * 100.0 for t, b in zip(slots, budgets) if b.contended]
         if not raised or any(b.turn_short for b in budgets):
             return None
-        gain = (sum(raised) + busy - TURN_HEADROOM - util) / sum(raised)
+        gain = 1.0 + TURN_DAMP * (busy - TURN_HEADROOM - util) / sum(raised)
         gains = [min(gain, TURN_MAX_GAIN / b.turn_gain) if b.contended else 1.0 for b in budgets]
         return gains if any(g > 1.0 + 1e-3 for g in gains) else None
-    if not any(b.turn_short for b in budgets):
-        return None
+    if not any(b.turn_short and b.turn_short_before for b in budgets):
+        return None     # once may be a synchronize that happened to span a slot
     gains = [max(1.0 / b.turn_gain, 1.0 / TURN_STEP) if b.turn_gain > 1.0 else 1.0
              for b in budgets]
     return gains if any(g < 1.0 for g in gains) else None
