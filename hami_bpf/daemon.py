@@ -1150,7 +1150,9 @@ class Daemon:
             keys = [k for k in self.turns if k[1] == dev and k in self.budgets]
             budgets = [self.budgets[k] for k in keys]
             prev, self._turns_util[dev] = self._turns_util.get(dev), util.get(dev)
-            both = None if prev is None or util.get(dev) is None else max(prev, util[dev])
+            # The mean of two readings since the last change: NVML's swing
+            # by 5-8 points between windows in one steady state.
+            both = None if prev is None or util.get(dev) is None else (prev + util[dev]) / 2
             gains = None if first else turn_gains(both, [self.turns[k] for k in keys], budgets)
             log.debug("turns on device %d: %s%% busy, slots %s, short %s, gains %s", dev,
                       util.get(dev), [b.turn_slots for b in budgets],
@@ -1159,6 +1161,7 @@ class Daemon:
                 names = {g.index: g.name for g in self.table.groups()}
                 for b, gain in zip(budgets, gains):
                     raise_rate(b, gain)
+                self._turns_util.pop(dev, None)   # readings from before the change say nothing after it
                 busy = 100 * sum(self.turns[k].length for k in keys)
                 said = ", ".join(f"{names.get(k[0], k[0])!r} x{gain:.3f}"
                                  for k, gain in zip(keys, gains) if gain != 1.0)

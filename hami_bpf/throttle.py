@@ -87,10 +87,9 @@ TURN_CALIBRATE_S = 1.5  # turns' device utilization is read over this long (NVML
 TURN_IDLE_PTS = 4.0   # points of its turns' time a device may idle before their rates are raised
 TURN_MAX_GAIN = 1.25  # ... by at most this much in all
 TURN_STEP = 1.02      # a raised rate whose turns overran is lowered by this at a time
-TURN_DAMP = 0.5       # a raise makes up this part of the idle time NVML shows: its readings
-                      # move 5-8 points between windows (H200: a full raise overshot twice)
-TURN_HEADROOM = 2.0   # points of its turns' time left idle after raising: none would let any
-                      # late handoff push a slot's work into the next one, where it time-slices
+TURN_HEADROOM = 4.0   # points of its turns' time left idle after raising: the handoffs between
+                      # turns take ~2.6 (bench/gpu/turns.sh); the rest keeps a late one from
+                      # pushing a slot's work into the next, where it would time-slice
 
 
 class Sample(NamedTuple):
@@ -384,8 +383,8 @@ def gpu_bound(b: Budget) -> bool:
 
 def turn_gains(util: float | None, slots: list, budgets: list) -> list[float] | None:
     """What to multiply the full rates of the groups taking `slots` on a
-    device by, given that it was `util` percent busy meanwhile (the higher
-    of two readings: NVML's swings by several points); None: as they are.
+    device by, given that it was `util` percent busy meanwhile (the mean of
+    two readings: NVML's swings by several points); None: as they are.
 
     Groups that learned side by side (`contended`) learned the rate they got
     from a GPU time-slicing them, which does less in all than one alone
@@ -393,7 +392,7 @@ def turn_gains(util: float | None, slots: list, budgets: list) -> list[float] | 
     turns, such a group launches its slot's work and the GPU finishes it
     early: it idles at the end of the slot. Where every group used every
     slot's work, that idle time (less TURN_HEADROOM) is what the contended
-    groups' slots fall short by: they are raised by part of it (TURN_DAMP); a group that learned
+    groups' slots fall short by: they are raised by it; a group that learned
     alone has its rate right. When the turns overrun on a busy device (slots
     come up short in two readings running: synchronizes waited past them), every raised group
     is lowered a step (H200: raised alike, the 70 group came to 71.9% of its
@@ -405,7 +404,7 @@ def turn_gains(util: float | None, slots: list, budgets: list) -> list[float] | 
         raised = [t.length * 100.0 for t, b in zip(slots, budgets) if b.contended]
         if not raised or any(b.turn_short for b in budgets):
             return None
-        gain = 1.0 + TURN_DAMP * (busy - TURN_HEADROOM - util) / sum(raised)
+        gain = 1.0 + (busy - TURN_HEADROOM - util) / sum(raised)
         gains = [min(gain, TURN_MAX_GAIN / b.turn_gain) if b.contended else 1.0 for b in budgets]
         return gains if any(g > 1.0 + 1e-3 for g in gains) else None
     if not any(b.turn_short and b.turn_short_before for b in budgets):

@@ -2,7 +2,7 @@
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from hami_bpf.throttle import (LEARN_MAX_S, TURN_DAMP, TURN_HEADROOM, TURN_IDLE_PTS,
+from hami_bpf.throttle import (LEARN_MAX_S, TURN_HEADROOM, TURN_IDLE_PTS,
                                TURN_MAX_GAIN, TURN_PERIOD_S, TURN_STEP, Budget, DeviceView, Turn,
                                completion_rate, gpu_bound, neighbours, next_edge, raise_rate, tick,
                                turn_gains, turns)
@@ -539,7 +539,7 @@ def test_turns_idling_the_gpu_raise_rates_learned_side_by_side():
     slots = list(turns({"a": 30, "b": 70}, epoch=0.0).values())
     a, b = side_by_side(), side_by_side(cap=70)
     gains = turn_gains(90.0, slots, [a, b])
-    assert gains == [pytest.approx(1 + TURN_DAMP * (100 - TURN_HEADROOM - 90.0) / 100)] * 2
+    assert gains == [pytest.approx(1 + (100 - TURN_HEADROOM - 90.0) / 100)] * 2
     f = a.full_rate
     raise_rate(a, gains[0])
     raise_rate(b, gains[1])
@@ -554,7 +554,7 @@ def test_the_idle_time_is_the_slots_of_the_groups_that_learned_side_by_side():
     slots = list(turns({"a": 30, "b": 70}, epoch=0.0).values())
     a, b = side_by_side(), side_by_side(cap=70, contended=False)
     gains = turn_gains(94.0, slots, [a, b])
-    assert gains == [pytest.approx(1 + TURN_DAMP * (100 - TURN_HEADROOM - 94.0) / 30), 1.0]
+    assert gains == [pytest.approx(1 + (100 - TURN_HEADROOM - 94.0) / 30), 1.0]
 
 
 def test_raised_rates_whose_turns_overran_are_lowered_a_step_at_a_time():
