@@ -1140,7 +1140,7 @@ class Daemon:
 
     def _calibrate_turns(self, now: float) -> None:
         """Raise the rates of groups taking turns where the GPU idles in them
-        (throttle.turn_gain): every TURN_CALIBRATE_S, from the utilization
+        (throttle.turn_gains): every TURN_CALIBRATE_S, from the utilization
         since the last reading; the first reading only starts the count."""
         if self._turns_read is not None and now - self._turns_read < TURN_CALIBRATE_S:
             return
@@ -1149,10 +1149,14 @@ class Daemon:
         for dev in sorted({d for _g, d in self.turns}):
             keys = [k for k in self.turns if k[1] == dev and k in self.budgets]
             budgets = [self.budgets[k] for k in keys]
-            prev, self._turns_util[dev] = self._turns_util.get(dev), util.get(dev)
             # The mean of two readings since the last change: NVML's swing
-            # by 5-8 points between windows in one steady state.
+            # by 5-8 points between windows in one steady state. Not one
+            # taken while slots came up short (turns settling in, or
+            # overrunning): idle then is no measure of the rates.
+            prev = self._turns_util.pop(dev, None)
             both = None if prev is None or util.get(dev) is None else (prev + util[dev]) / 2
+            if not first and not any(b.turn_short for b in budgets):
+                self._turns_util[dev] = util.get(dev)
             gains = None if first else turn_gains(both, [self.turns[k] for k in keys], budgets)
             log.debug("turns on device %d: %s%% busy, slots %s, short %s, gains %s", dev,
                       util.get(dev), [b.turn_slots for b in budgets],

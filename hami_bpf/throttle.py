@@ -85,7 +85,8 @@ TURN_PERIOD_S = 0.1   # groups capped on one device take turns within this perio
 TURN_SHORT = 0.05     # a slot's work left unlaunched past this part of it: the slot was short of work
 TURN_CALIBRATE_S = 1.5  # turns' device utilization is read over this long (NVML lags ~1 s)
 TURN_IDLE_PTS = 4.0   # points of its turns' time a device may idle before their rates are raised
-TURN_MAX_GAIN = 1.25  # ... by at most this much in all
+TURN_MAX_GAIN = 1.4   # ... by at most this much in all (H200: one learning next to a capped
+                      # group learned 72-74% of its rate)
 TURN_STEP = 1.02      # a raised rate whose turns overran is lowered by this at a time
 TURN_HEADROOM = 4.0   # points of its turns' time left idle after raising: the handoffs between
                       # turns take ~2.6 (bench/gpu/turns.sh); the rest keeps a late one from
