@@ -84,13 +84,14 @@ HOST_BOUND_SHARE = 0.01  # a probe share under this is no sign the launcher set 
 TURN_PERIOD_S = 0.1   # groups capped on one device take turns within this period
 TURN_SHORT = 0.05     # a slot's work left unlaunched past this part of it: the slot was short of work
 TURN_CALIBRATE_S = 1.5  # turns' device utilization is read over this long (NVML lags ~1 s)
-TURN_IDLE_PTS = 4.0   # points of its turns' time a device may idle before their rates are raised
+TURN_IDLE_PTS = 5.0   # points of its turns' time a device may idle before their rates are raised
 TURN_MAX_GAIN = 1.4   # ... by at most this much in all (H200: one learning next to a capped
                       # group learned 72-74% of its rate)
 TURN_STEP = 1.02      # a raised rate whose turns overran is lowered by this at a time
-TURN_HEADROOM = 4.0   # points of its turns' time left idle after raising: the handoffs between
-                      # turns take ~2.6 (bench/gpu/turns.sh); the rest keeps a late one from
-                      # pushing a slot's work into the next, where it would time-slice
+TURN_HEADROOM = 5.0   # points of its turns' time left idle after raising: the handoffs between
+                      # turns take ~2.6 (bench/gpu/turns.sh) and NVML reads ~2 low; less
+                      # pushed slots' work into the next ones on the H200, where it
+                      # time-slices (4: the 70 group fell from 69% to 65% after a raise)
 
 
 class Sample(NamedTuple):
