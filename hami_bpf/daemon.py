@@ -32,7 +32,7 @@ from .metrics import observe_exit_latency
 from .slots import SlotTable
 from .throttle import (BUSY_S, TURN_CALIBRATE_S, TURN_PERIOD_S, UNLIMITED, Budget, Completions,
                        Turn, completion_rate, gpu_bound, held_to_cap, neighbours, next_edge,
-                       raise_rate, tick as budget_tick, turn_gains, turns)
+                       scale_rate, tick as budget_tick, turn_gains, turns)
 from .snapshot import (SCHEMA_VERSION, DeviceInfo, DeviceUsage, EventRecord, GroupInfo, ProcessInfo,
                        SlotInfo, Snapshot)
 
@@ -1164,7 +1164,7 @@ class Daemon:
             if gains is not None:
                 names = {g.index: g.name for g in self.table.groups()}
                 for b, gain in zip(budgets, gains):
-                    raise_rate(b, gain)
+                    scale_rate(b, gain)
                 self._turns_util.pop(dev, None)   # readings from before the change say nothing after it
                 busy = 100 * sum(self.turns[k].length for k in keys)
                 said = ", ".join(f"{names.get(k[0], k[0])!r} x{gain:.3f}"

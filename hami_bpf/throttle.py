@@ -45,15 +45,18 @@ simulated GPU, bench/sim_sm.py; docs/benchmarks.md):
    rates, they take turns instead (turns()): each owns a slot of a period
    (TURN_PERIOD_S) as long as its cap, is granted the slot's whole work as
    it begins and nothing once it ends, so their work reaches the GPU one
-   group at a time (taking turns by the clock, the same pair did 97.3%:
-   bench/gpu/turns.sh).
+   group at a time (taking turns by the clock, the same pair did 97.4%:
+   bench/gpu/turns.sh). Rates learned side by side are short by the
+   time-slicing loss; in turns the GPU then idles, and turn_gains() raises
+   them by what NVML shows idle.
 
 No feedback loop trims R afterwards. Two were tried on the H200 and in the
 simulator: one on completions, one on NVML utilization. Both react to a
 signal that lags the launches by the whole launch queue (up to ~1 s), and
 both made it worse: the first wound down under the cap and crawled back,
 the second starved graph replays (utilization stays 100% while a queue
-drains).
+drains). The one correction left is in turns, only upward from what
+learning side by side lost, and bounded (turn_gains).
 """
 from __future__ import annotations
 
@@ -396,9 +399,10 @@ def turn_gains(util: float | None, slots: list, budgets: list) -> list[float] | 
     slot's work, that idle time (less TURN_HEADROOM) is what the contended
     groups' slots fall short by: they are raised by it; a group that learned
     alone has its rate right. When the turns overrun on a busy device (slots
-    come up short in two readings running: synchronizes waited past them), every raised group
-    is lowered a step (H200: raised alike, the 70 group came to 71.9% of its
-    whole; which group's synchronize waits says little of which overran)."""
+    come up short in two readings running: synchronizes waited past them),
+    every raised group is lowered a step (H200: raised alike, the 70 group
+    came to 71.9% of its whole; whose synchronizes wait says little of
+    which group overran)."""
     busy = 100.0 * sum(t.length for t in slots)
     if util is None or util <= 0 or any(b.turn_slots < 3 for b in budgets):
         return None
@@ -408,7 +412,7 @@ def turn_gains(util: float | None, slots: list, budgets: list) -> list[float] | 
             return None
         gain = 1.0 + (busy - TURN_HEADROOM - util) / sum(raised)
         gains = [min(gain, TURN_MAX_GAIN / b.turn_gain) if b.contended else 1.0 for b in budgets]
-        return gains if any(g > 1.0 + 1e-3 for g in gains) else None
+        return gains if any(g > 1.005 for g in gains) else None
     if not any(b.turn_short and b.turn_short_before for b in budgets):
         return None     # once may be a synchronize that happened to span a slot
     gains = [max(1.0 / b.turn_gain, 1.0 / TURN_STEP) if b.turn_gain > 1.0 else 1.0
@@ -416,7 +420,7 @@ def turn_gains(util: float | None, slots: list, budgets: list) -> list[float] | 
     return gains if any(g < 1.0 for g in gains) else None
 
 
-def raise_rate(b: Budget, gain: float) -> None:
+def scale_rate(b: Budget, gain: float) -> None:
     b.full_rate *= gain
     b.turn_gain *= gain
     b.rate = max(MIN_RATE, b.cap / 100.0 * b.full_rate)

@@ -324,7 +324,11 @@ def test_restart_does_not_resume_foreign_stop(fakecuda, workdir):
             assert t.pid in b.stopped_before
             time.sleep(1.5)
             assert proc_state(t.pid) == "T", "the new daemon resumed a process it did not stop"
-            assert not any(e["kind"] == "recover" for e in events_json(b))
+            # Only this one: a process an earlier test left held at a libcuda
+            # entry (it is being killed) is rightly recovered (CI, 2026-11-30).
+            recovered = [e["message"] for e in events_json(b)
+                         if e["kind"] == "recover" and e["data"].get("pid") == t.pid]
+            assert not recovered, recovered
         finally:
             os.kill(t.pid, signal.SIGCONT)
             wait_for(lambda: None if proc_state(t.pid) not in ("T", "t") else "still T", 2)

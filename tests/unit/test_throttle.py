@@ -4,7 +4,7 @@ from hypothesis import given, settings, strategies as st
 
 from hami_bpf.throttle import (LEARN_MAX_S, TURN_HEADROOM, TURN_IDLE_PTS,
                                TURN_MAX_GAIN, TURN_PERIOD_S, TURN_STEP, Budget, DeviceView, Turn,
-                               completion_rate, gpu_bound, neighbours, next_edge, raise_rate, tick,
+                               completion_rate, gpu_bound, neighbours, next_edge, scale_rate, tick,
                                turn_gains, turns)
 
 
@@ -541,8 +541,8 @@ def test_turns_idling_the_gpu_raise_rates_learned_side_by_side():
     gains = turn_gains(90.0, slots, [a, b])
     assert gains == [pytest.approx(1 + (100 - TURN_HEADROOM - 90.0) / 100)] * 2
     f = a.full_rate
-    raise_rate(a, gains[0])
-    raise_rate(b, gains[1])
+    scale_rate(a, gains[0])
+    scale_rate(b, gains[1])
     assert a.full_rate == pytest.approx(f * gains[0]) and a.rate == pytest.approx(0.3 * a.full_rate)
     # At most TURN_MAX_GAIN in all, however idle it stays.
     assert turn_gains(10.0, slots, [a, b]) == [pytest.approx(TURN_MAX_GAIN / gains[0])] * 2
