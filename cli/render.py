@@ -81,6 +81,8 @@ def render_group(g: GroupInfo) -> RenderableType:
     extra = f", sm_limit {g.sm_limit}%" if g.sm_limit is not None else ""
     if g.sm_lending:
         extra += f" (lending: above it on GPU{','.join(map(str, g.sm_lending))})"
+    if g.sm_turns:
+        extra += f" (taking turns on GPU{','.join(map(str, g.sm_turns))})"
     if g.priority != 1:
         extra += f", priority {g.priority}"
     denied = f", denied {g.denied}" if g.denied else ""

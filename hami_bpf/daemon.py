@@ -1488,7 +1488,8 @@ class Daemon:
                                     devices=devs, denied=denied_by_group.get(g.index, 0),
                                     sm_limit=min(self.sm_caps[g.name].values()) if self.sm_caps.get(g.name) else None,
                                     priority=self._sched(g.name)[0],
-                                    sm_lending=tuple(sorted(d for gi, d in self.lending if gi == g.index))))
+                                    sm_lending=tuple(sorted(d for gi, d in self.lending if gi == g.index)),
+                                    sm_turns=tuple(sorted(d for gi, d in self.turns if gi == g.index))))
         counters = dict(self.table.stats)
         counters.update(self.counters)
         if self.probes:

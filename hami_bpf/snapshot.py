@@ -159,10 +159,12 @@ class GroupInfo:
     sm_limit: int | None = None   # percent, None = unlimited
     priority: int = 1             # HAMi's CUDA_TASK_PRIORITY: smaller is higher
     sm_lending: tuple[int, ...] = ()   # devices where it may now exceed its SM cap
+    sm_turns: tuple[int, ...] = ()     # devices where it takes turns with other capped groups
 
     def __post_init__(self) -> None:
         _set(self, "slots", tuple(self.slots))
         _set(self, "sm_lending", tuple(self.sm_lending))
+        _set(self, "sm_turns", tuple(self.sm_turns))
         _freeze_devices(self)
 
     def to_json(self) -> dict:
@@ -172,6 +174,7 @@ class GroupInfo:
             "devices": _devices_json(self.devices),
             "denied": self.denied, "sm_limit": self.sm_limit,
             "priority": self.priority, "sm_lending": list(self.sm_lending),
+            "sm_turns": list(self.sm_turns),
         }
 
     @classmethod
@@ -181,7 +184,8 @@ class GroupInfo:
                    devices=_devices_from_json(d.get("devices", {})),
                    denied=int(d.get("denied", 0)), sm_limit=d.get("sm_limit"),
                    priority=int(d.get("priority", 1)),
-                   sm_lending=tuple(int(x) for x in d.get("sm_lending", ())))
+                   sm_lending=tuple(int(x) for x in d.get("sm_lending", ())),
+                   sm_turns=tuple(int(x) for x in d.get("sm_turns", ())))
 
 
 @dataclass(frozen=True)

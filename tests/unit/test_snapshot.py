@@ -97,7 +97,8 @@ groups = st.builds(GroupInfo, id=st.text(max_size=20), index=st.integers(0, 100)
                    devices=st.dictionaries(st.integers(0, 15), usages, max_size=4),
                    sm_limit=st.none() | st.integers(0, 100),
                    priority=st.integers(0, 10),
-                   sm_lending=st.lists(st.integers(0, 15), max_size=3).map(tuple))
+                   sm_lending=st.lists(st.integers(0, 15), max_size=3).map(tuple),
+                   sm_turns=st.lists(st.integers(0, 15), max_size=3).map(tuple))
 
 
 @given(st.lists(procs, max_size=5), st.lists(groups, max_size=3))
