@@ -19,7 +19,7 @@ import uuid
 import pytest
 
 from hami_bpf.fakecuda import CudaProc, build
-from hami_bpf.server import query
+from hami_bpf.server import fetch_snapshot, query
 from helpers import Daemon, Sampled, Tracked, finish_daemon, gname, wait_for
 
 pytestmark = pytest.mark.bpf
@@ -104,22 +104,29 @@ def test_on_a_gpu_that_loses_work_when_shared_two_groups_take_turns(tmp_path, si
     fake = build(tmp_path / "lib")
     d = Daemon(fake, extra=["--sm-limits"]).start()
     try:
-        procs = {cap: gpu_proc(fake, sim, gname(f"turn{cap}"), sm=cap,
-                               FAKECUDA_SIM_SHARE_EFF="90") for cap in (30, 70)}
+        names = {cap: gname(f"turn{cap}") for cap in (30, 70)}
+        procs = {cap: gpu_proc(fake, sim, names[cap], sm=cap, FAKECUDA_SIM_SHARE_EFF="90")
+                 for cap in (30, 70)}
         got: dict[int, float] = {}
 
         def go(cap):
             got[cap] = bench(procs[cap], seconds=16, settle_ms=11000)
 
+        shown: set = set()      # (group, devices) as slots --json shows them
         try:
             ts = [threading.Thread(target=go, args=(c,)) for c in procs]
             for t in ts:
                 t.start()
+            while any(t.is_alive() for t in ts):
+                for g in fetch_snapshot(d.socket).groups:
+                    shown.add((g.id, g.sm_turns))
+                time.sleep(0.5)
             for t in ts:
                 t.join(180)
         finally:
             for p in procs.values():
                 p.close()
+        assert {gid for gid, devs in shown if devs == (0,)} >= set(names.values()), shown
         said = [e["message"] for e in query(d.socket, "events", since=0)["events"]
                 if e["kind"] == "throttle"]
         print("shares", got, *said, sep="\n")
