@@ -792,9 +792,10 @@ class Daemon:
             return POLL_MS
         wait = HELD_TICK_S if self.throttled else THROTTLE_TICK_S
         # Turns begin and end on time: a tick at every slot's edges.
-        edge = next_edge(self.turns.values(), time.monotonic()) if self.turns else None
+        now = time.monotonic()
+        edge = next_edge(self.turns.values(), now) if self.turns else None
         if edge is not None:
-            wait = min(wait, edge - time.monotonic())
+            wait = min(wait, edge - now)
         return max(1, math.ceil(wait * 1000))
 
     def stop(self) -> None:
@@ -1155,17 +1156,18 @@ class Daemon:
             # overrunning): idle then is no measure of the rates.
             prev = self._turns_util.pop(dev, None)
             both = None if prev is None or util.get(dev) is None else (prev + util[dev]) / 2
-            if not first and not any(b.turn_short for b in budgets):
-                self._turns_util[dev] = util.get(dev)
             gains = None if first else turn_gains(both, [self.turns[k] for k in keys], budgets)
+            # Kept for the next reading unless a change follows it: readings
+            # from before a change say nothing after it.
+            if not first and gains is None and not any(b.turn_short for b in budgets):
+                self._turns_util[dev] = util.get(dev)
             log.debug("turns on device %d: %s%% busy, slots %s, short %s, gains %s", dev,
                       util.get(dev), [b.turn_slots for b in budgets],
                       [b.turn_short for b in budgets], gains)
             if gains is not None:
-                names = {g.index: g.name for g in self.table.groups()}
+                names = self._group_names()
                 for b, gain in zip(budgets, gains):
                     scale_rate(b, gain)
-                self._turns_util.pop(dev, None)   # readings from before the change say nothing after it
                 busy = 100 * sum(self.turns[k].length for k in keys)
                 said = ", ".join(f"{names.get(k[0], k[0])!r} x{gain:.3f}"
                                  for k, gain in zip(keys, gains) if gain != 1.0)
@@ -1182,8 +1184,9 @@ class Daemon:
     def _take_turns(self, use: dict) -> None:
         """GPU-bound groups capped on one device take turns where two or more
         have their rates; not one learning (it runs free), lending idle time,
-        host-bound (throttle.gpu_bound), or launching on another device too (a hold stops all of a group's processes, so its
-        turns on two devices would stop it in both)."""
+        host-bound (throttle.gpu_bound), or launching on another device too
+        (a hold stops all of a group's processes, so its turns on two
+        devices would stop it in both)."""
         devices = collections.defaultdict(set)
         for (gi, dev), (consumed, *_r) in use.items():
             if consumed:
@@ -1200,7 +1203,7 @@ class Daemon:
             mine = sorted(k for k in new if k[1] == dev)
             if mine == sorted(k for k in self.turns if k[1] == dev):
                 continue
-            names = {g.index: g.name for g in self.table.groups()}
+            names = self._group_names()
             self.record("throttle", f"device {dev}: " + (
                 "groups " + ", ".join(f"{names.get(k[0], k[0])!r} ({new[k].length:.0%})" for k in mine)
                 + f" take turns every {TURN_PERIOD_S * 1000:g} ms" if mine else "no turns"),
@@ -1208,6 +1211,10 @@ class Daemon:
             self._turns_read = None     # the utilization of other turns says nothing
             self._turns_util.pop(dev, None)
         self.turns = new
+
+    def _group_names(self) -> dict[int, str]:
+        """Group index -> name (the budgets and turns are keyed by index)."""
+        return {g.index: g.name for g in self.table.groups()}
 
     def _forget_budget(self, key: tuple[int, int]) -> None:
         """Drop what an SM cap kept for (group index, device): its budget and

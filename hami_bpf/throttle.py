@@ -141,7 +141,7 @@ class Budget:
     turn_slots: int = 0             # slots ended since the device's utilization was last read
     turn_short: int = 0             # ... of them with work left unlaunched (TURN_SHORT)
     turn_short_before: int = 0      # turn_short at the reading before
-    turn_gain: float = 1.0          # what turn_gain() raised its full rate by, in all
+    turn_gain: float = 1.0          # what turn_gains() scaled its full rate by, in all
 
     @property
     def learning(self) -> bool:
