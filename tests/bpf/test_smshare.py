@@ -54,6 +54,30 @@ def bench(p: CudaProc, seconds: int = 7, settle_ms: int = 3000) -> float:
     return 100.0 * float(r["steady"]) / FULL
 
 
+def benches_together(procs: dict, seconds: int, settle_ms: int, join_s: float,
+                     meanwhile=None) -> dict:
+    """bench() every process of {key: CudaProc} at once; their shares by key.
+    `meanwhile()` is called every 0.5 s while they run. Closes the processes."""
+    got: dict = {}
+
+    def go(key):
+        got[key] = bench(procs[key], seconds=seconds, settle_ms=settle_ms)
+
+    try:
+        ts = [threading.Thread(target=go, args=(k,)) for k in procs]
+        for t in ts:
+            t.start()
+        while meanwhile is not None and any(t.is_alive() for t in ts):
+            meanwhile()
+            time.sleep(0.5)
+        for t in ts:
+            t.join(join_s)
+    finally:
+        for p in procs.values():
+            p.close()
+    return got
+
+
 def test_a_single_cap_holds_its_share_of_a_deep_queue(tmp_path, sim):
     fake = build(tmp_path / "lib")
     d = Daemon(fake, extra=["--sm-limits"]).start()
@@ -74,20 +98,7 @@ def test_two_groups_30_70_each_get_their_share(tmp_path, sim):
     try:
         procs = {cap: gpu_proc(fake, sim, gname(f"pair{cap}"), sm=cap)
                  for cap in (30, 70)}
-        got: dict[int, float] = {}
-
-        def go(cap):
-            got[cap] = bench(procs[cap], seconds=9, settle_ms=4000)
-
-        try:
-            ts = [threading.Thread(target=go, args=(c,)) for c in procs]
-            for t in ts:
-                t.start()
-            for t in ts:
-                t.join(120)
-        finally:
-            for p in procs.values():
-                p.close()
+        got = benches_together(procs, seconds=9, settle_ms=4000, join_s=120)
         print("shares", got)
         learned = [e["message"] for e in query(d.socket, "events", since=0)["events"] if "learned" in e["message"]]
         assert len(got) == 2
@@ -107,25 +118,13 @@ def test_on_a_gpu_that_loses_work_when_shared_two_groups_take_turns(tmp_path, si
         names = {cap: gname(f"turn{cap}") for cap in (30, 70)}
         procs = {cap: gpu_proc(fake, sim, names[cap], sm=cap, FAKECUDA_SIM_SHARE_EFF="90")
                  for cap in (30, 70)}
-        got: dict[int, float] = {}
-
-        def go(cap):
-            got[cap] = bench(procs[cap], seconds=16, settle_ms=11000)
-
         shown: set = set()      # (group, devices) as slots --json shows them
-        try:
-            ts = [threading.Thread(target=go, args=(c,)) for c in procs]
-            for t in ts:
-                t.start()
-            while any(t.is_alive() for t in ts):
-                for g in fetch_snapshot(d.socket).groups:
-                    shown.add((g.id, g.sm_turns))
-                time.sleep(0.5)
-            for t in ts:
-                t.join(180)
-        finally:
-            for p in procs.values():
-                p.close()
+
+        def look():
+            for g in fetch_snapshot(d.socket).groups:
+                shown.add((g.id, g.sm_turns))
+
+        got = benches_together(procs, seconds=16, settle_ms=11000, join_s=180, meanwhile=look)
         assert {gid for gid, devs in shown if devs == (0,)} >= set(names.values()), shown
         said = [e["message"] for e in query(d.socket, "events", since=0)["events"]
                 if e["kind"] == "throttle"]
