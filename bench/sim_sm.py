@@ -101,8 +101,8 @@ def main() -> int:
         try:
             from hami_bpf.server import query
             for e in query(d.socket, "events", since=0)["events"]:
-                if "learned" in e.get("message", "") or "turns" in e.get("message", ""):
-                    log += "\n" + e["message"]
+                if e.get("kind") == "throttle":
+                    log += f"\nevent {e.get('ts', 0) % 100:.2f} " + e["message"]
         except Exception as e:  # noqa: BLE001 - a bench: say it and go on
             log += f"\nevents: {e}"
         finish_daemon(d)

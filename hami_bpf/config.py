@@ -63,6 +63,7 @@ class DaemonConfig:
     hami_regions: str | None = None      # publish HAMi shared-region files under this dir; None = off
     sm_lend_idle: bool = False           # a capped group may use what higher/equal priority leave idle
     sm_turns: bool = True                # groups capped on one device take turns (throttle.turns)
+    sm_learn_alone: bool = True          # a group learns its rate with its device's capped groups held
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "libcuda", tuple(self.libcuda))

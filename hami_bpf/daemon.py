@@ -30,9 +30,9 @@ from .limits import (HAMI_DEFAULT_PRIORITY, EnvLimits, PolicyError, effective_li
                      visible_to_physical)
 from .metrics import observe_exit_latency
 from .slots import SlotTable
-from .throttle import (BUSY_S, TURN_CALIBRATE_S, TURN_PERIOD_S, UNLIMITED, Budget, Completions,
-                       Turn, completion_rate, gpu_bound, held_to_cap, neighbours, next_edge,
-                       scale_rate, tick as budget_tick, turn_gains, turns)
+from .throttle import (BUSY_S, LEARN_ALONE_S, TURN_CALIBRATE_S, TURN_PERIOD_S, UNLIMITED, Budget,
+                       Completions, Turn, completion_rate, gpu_bound, held_to_cap, learn_alone,
+                       neighbours, next_edge, scale_rate, tick as budget_tick, turn_gains, turns)
 from .snapshot import (SCHEMA_VERSION, DeviceInfo, DeviceUsage, EventRecord, GroupInfo, ProcessInfo,
                        SlotInfo, Snapshot)
 
@@ -44,6 +44,7 @@ UNPACED_S = 2.0     # a neighbour that launched this recently and has no pace ye
 HELD_TICK_S = 0.005
 MAX_HOLD_S = 0.25          # no group is held longer than this, budget or not
 RESUME_MARGIN_S = 0.02
+ALONE_DRAIN_S = 0.15       # a held group's queued work still runs this long (its last grant)
 THROTTLED_SHOWN_S = 1.0   # a group held back within this long shows as throttled
 GRAPH_COST = 4096          # cost units per cuGraphLaunch (feedback corrects it where NVML is)
 HEARTBEAT_STALE_NS = 2_000_000_000
@@ -304,6 +305,7 @@ class Daemon:
         # the strictest policy any member asked for (limits.effective_sched).
         self.sched: dict[str, tuple[int, str]] = {}
         self._last_busy: dict[tuple[int, int], float] = {}   # (group index, device) -> last launch seen
+        self._first_busy: dict[tuple[int, int], float] = {}  # ... -> when its launches were first seen
         self._budget_logged: dict[tuple[int, int], float] = {}
         self.lending: set[tuple[int, int]] = set()           # (group index, device) above its cap now
         # Slots of the groups taking turns on a device (throttle.turns), by
@@ -312,6 +314,9 @@ class Daemon:
         self._turn_epoch = time.monotonic()
         self._turns_read: float | None = None   # when turn_gains() last read the devices
         self._turns_util: dict[int, float | None] = {}  # ... and what it read
+        # Per device, the group learning there alone and the capped groups it
+        # holds meanwhile (throttle.learn_alone): (learner key, held keys).
+        self.alone: dict[int, tuple[tuple[int, int], frozenset]] = {}
         self.throttled: dict[str, set[int]] = {}
         self.throttle_since: dict[str, float] = {}
         self._prev_use: dict[tuple[int, int], tuple[float, int]] = {}
@@ -1040,7 +1045,15 @@ class Daemon:
                 rates[key[1]][key] = max(0, consumed - prev[1]) / (now - prev[0])
                 if consumed > prev[1]:
                     self._last_busy[key] = now
+            if consumed:
+                self._first_busy.setdefault(key, now)
             self._prev_use[key] = (now, consumed)
+        holds = self._learn_alone(now, use) if self.cfg.sm_learn_alone else frozenset()
+        for dev in rates:
+            # Held groups are off the device for the learner (their last
+            # grant drains within ALONE_DRAIN_S): neither busy nor unpaced.
+            for k in holds:
+                rates[dev].pop(k, None)
         prio_of = {g.index: self._sched(g.name)[0]
                    for g in self.table.groups()} if self.cfg.sm_lend_idle else {}
         # Only a budget still learning reads the device (a new one learns too):
@@ -1064,6 +1077,7 @@ class Daemon:
             # Busy lately, yet no completions to pace it by: a group blocked
             # on its full launch queue, or one that never synchronizes.
             unpaced = frozenset(k for k in use if done_rates.get(k) is None and k not in known
+                                and k not in holds
                                 and now - self._last_busy.get(k, -1e9) <= UNPACED_S)
             for dev, r in rates.items():
                 share.update(neighbours(util.get(dev), r, known, now, done_rates,
@@ -1082,6 +1096,15 @@ class Daemon:
                     b = self.budgets[key] = Budget(cap=cap, probe_s=self.probe_cost_s)
                 b.cap = cap
                 consumed, n_launch, completed, sync_ns, done_ns = use.get(key, (0, 0, 0, 0, 0))
+                if key in holds:
+                    # Held while another group learns here alone (or until its
+                    # first launch here is its turn): nothing granted, nothing
+                    # learned (a held learner starts over).
+                    b.granted, b.credit, b.turn_open = consumed, float(consumed), False
+                    self.probes.set_sm_grant(g.index, dev, consumed, True, checkpoint=False)
+                    # Not launching here, it runs on as its other devices allow.
+                    room = room and not consumed
+                    continue
                 was_learning = b.learning
                 granted = budget_tick(b, now=now, consumed=consumed, launches=n_launch,
                                       completed=completed or None, sync_ns=sync_ns,
@@ -1129,7 +1152,7 @@ class Daemon:
                               self.counters["holds_cut_short"], self.counters["throttle_episodes"])
             held_for = now - self.throttle_since.get(group, now)
             if group in self.throttled and (room or held_for > MAX_HOLD_S):
-                if not room:
+                if not room and not any(k[0] == g.index for k in holds):
                     # A hold must never outlive one refill period: whatever the
                     # budget says, the group runs again (and is counted).
                     self.counters["holds_cut_short"] += 1
@@ -1138,6 +1161,86 @@ class Daemon:
                 self.last_throttled[group] = now
         if self.turns and not learning and self.devices.has_utilization:
             self._calibrate_turns(now)
+
+    def _learn_alone(self, now: float, use: dict) -> frozenset:
+        """Let one group at a time learn its rate on each device while the
+        device's other capped groups are held (throttle.learn_alone), at most
+        LEARN_ALONE_S each; not where an uncapped group is busy (it is never
+        held, so no one learns alone there). A capped group's first launch on
+        a device is held too, until it is its turn (or no one else's): else
+        groups starting together would each queue a second of work that runs
+        in the other's learning. Returns the keys held this tick."""
+        prio = {g.index: self._sched(g.name)[0] for g in self.table.groups()}
+        waited = {k for _l, h in self.alone.values() for k in h}
+
+        def launched(k):
+            return use.get(k, (0,))[0] > 0
+
+        def busy(k):
+            return now - self._last_busy.get(k, -1e9) <= BUSY_S
+
+        new: dict[int, tuple[tuple[int, int] | None, frozenset]] = {}
+        restart: set = set()
+        for dev in sorted({d for _gi, d in self.budgets}):
+            if any(k[1] == dev and k not in self.budgets and busy(k) for k in use):
+                continue
+            capped = {k: prio.get(k[0], HAMI_DEFAULT_PRIORITY) for k in self.budgets if k[1] == dev}
+            cur = self.alone.get(dev, (None,))[0]
+            # A learner begins busy or held waiting, and keeps its turn while
+            # it launches nothing too (blocked on its full queue, synchronizing).
+            learners = {k: (self._first_busy.get(k, now), capped[k]) for k in capped
+                        if (b := self.budgets[k]).learning
+                        and (k == cur or (launched(k) and (busy(k) or k in waited)))
+                        and (b.alone_since is None or now - b.alone_since <= LEARN_ALONE_S)}
+            learner, held = learn_alone(learners, capped, current=cur)
+            if learner is None:
+                # No one learning: a first launch is held until the next tick
+                # picks whose turn it is.
+                new[dev] = (None, frozenset(k for k in capped if not launched(k)
+                                            and self.budgets[k].learning))
+                continue
+            if learner in waited:
+                restart.add(learner)    # held from its first launch: learn from now
+            elif any(launched(k) for k in held):
+                b = self.budgets[learner]
+                if b.alone_since is None:
+                    b.alone_since = now
+                    # What the held groups still have queued is not the learner's.
+                    b.fresh_since = max(b.fresh_since, now + ALONE_DRAIN_S)
+            new[dev] = (learner, held)
+        for key in restart:
+            b = self.budgets[key]
+            self.budgets[key] = Budget(cap=b.cap, probe_s=self.probe_cost_s, alone_since=now,
+                                       fresh_since=now + ALONE_DRAIN_S)
+        old, self.alone = self.alone, new
+        names = self._group_names()
+
+        def said(keys):
+            return ", ".join(repr(names.get(k[0], k[0])) for k in sorted(keys))
+
+        for dev in sorted(set(old) | set(new)):
+            # Only holds of groups that launched here are news.
+            (l0, h0), (l1, h1) = old.get(dev, (None, ())), new.get(dev, (None, ()))
+            h0, h1 = {k for k in h0 if launched(k)}, {k for k in h1 if launched(k)}
+            if l0 is not None and h0 and (l0 != l1 or not h1):
+                lb = self.budgets.get(l0)
+                how = ("learned its rate" if lb is not None and not lb.learning else
+                       f"not learned in {LEARN_ALONE_S:g} s (it learns beside them)"
+                       if lb is not None and now - (lb.alone_since or now) > LEARN_ALONE_S
+                       else "stopped launching")
+                self.record("throttle", f"group {names.get(l0[0], l0[0])!r} device {dev}: {how}; "
+                            f"{said(h0)} released", group=names.get(l0[0]), device=dev, alone=False)
+            if l1 is not None and h1 and (l1 != l0 or not h0 or h1 - h0):
+                self.record("throttle", f"group {names.get(l1[0], l1[0])!r} learns its rate on "
+                            f"device {dev} alone: {said(h1)} held (at most {LEARN_ALONE_S:g} s)",
+                            group=names.get(l1[0]), device=dev, alone=True,
+                            held=sorted(names.get(k[0], str(k[0])) for k in h1))
+        held_now = {k for _l, h in new.values() for k in h}
+        for key, b in list(self.budgets.items()):
+            if key in waited and key not in held_now and key not in restart and b.learning:
+                # Its learning ran across a hold: start it over, from after it.
+                self.budgets[key] = Budget(cap=b.cap, probe_s=self.probe_cost_s, fresh_since=now)
+        return frozenset(held_now)
 
     def _calibrate_turns(self, now: float) -> None:
         """Raise the rates of groups taking turns where the GPU idles in them
@@ -1346,7 +1449,7 @@ class Daemon:
                 # Everything kept per (group index, device): the index is reused.
                 for key in [k for k in self.budgets if k[0] == a.index]:
                     self._forget_budget(key)
-                for per_key in (self._prev_use, self._last_busy, self._done):
+                for per_key in (self._prev_use, self._last_busy, self._first_busy, self._done):
                     for key in [k for k in per_key if k[0] == a.index]:
                         del per_key[key]
                 if self.sm_caps.pop(a.name, None):

@@ -84,7 +84,12 @@ DONE_MIN_SPAN_S = 0.4
 DONE_KEEP_S = 6.0     # ... or, where synchronizes are sparse, over the last few within this
 TICKS_KEEP_S = DONE_KEEP_S  # learning ticks kept (host rate, host-side ceiling)
 HOST_BOUND_SHARE = 0.01  # a probe share under this is no sign the launcher set the pace
+LEARN_ALONE_S = 2.0   # a learning group holds its device's other capped groups at most this long
 TURN_PERIOD_S = 0.1   # groups capped on one device take turns within this period
+TURN_FILL = 0.97      # a slot is granted this much of its length's work: handing the GPU over
+                      # takes the rest (H200: 2.6%, bench/gpu/turns.sh); with none left, work
+                      # spills into the next slot, and once two groups' work overlaps the GPU
+                      # time-slices it and falls further behind (simulator: 70 -> 64%)
 TURN_SHORT = 0.05     # a slot's work left unlaunched past this part of it: the slot was short of work
 TURN_CALIBRATE_S = 1.5  # turns' device utilization is read over this long (NVML lags ~1 s)
 TURN_IDLE_PTS = 5.0   # points of its turns' time a device may idle before their rates are raised
@@ -142,6 +147,7 @@ class Budget:
     turn_short: int = 0             # ... of them with work left unlaunched (TURN_SHORT)
     turn_short_before: int = 0      # turn_short at the reading before
     turn_gain: float = 1.0          # what turn_gains() scaled its full rate by, in all
+    alone_since: float | None = None  # when it began learning with its device's capped groups held
 
     @property
     def learning(self) -> bool:
@@ -312,6 +318,27 @@ def _learned(b: Budget, pace: float, since: float, until: float, consumed: int) 
     return b.granted
 
 
+def learn_alone(learners: dict, capped: dict, *, current=None) -> tuple:
+    """Which group learning on a device learns there alone now, and which
+    capped groups it holds meanwhile: (key, frozenset of keys), or (None,
+    frozenset()). `learners`: {key: (since, priority)} of the groups busy
+    learning there; `capped`: {key: priority} of every capped group that
+    launched there. A smaller priority number is higher (HAMi's).
+
+    One at a time, highest priority first, then the first to arrive; the one
+    learning keeps its turn unless a higher priority arrives. It holds only
+    groups of its own or lower priority. Learning beside another process, a
+    group learns the rate a time-slicing GPU gives it, which does less in all
+    than one alone (H200 matmuls: both 92% of the truth together; 72-74% next
+    to a group capped at 70): its cap is then a share of too little."""
+    if not learners:
+        return None, frozenset()
+    best = min(learners, key=lambda k: (learners[k][1], learners[k][0], k))
+    key = current if current in learners and learners[current][1] <= learners[best][1] else best
+    prio = learners[key][1]
+    return key, frozenset(k for k, p in capped.items() if k != key and p >= prio)
+
+
 class Turn(NamedTuple):
     """A group's slot: [start, start + length) of every period (fractions of
     it) counted from `epoch`, in seconds on the daemon's clock."""
@@ -358,7 +385,7 @@ def _take_turn(b: Budget, turn: Turn, now: float, consumed: int) -> int:
             # The whole slot's work at once: a GPU-bound launcher queues it
             # and the GPU runs it while the others wait their turns.
             b.turn_k, b.turn_open = k, True
-            b.turn_lump = b.full_rate * turn.length * turn.period
+            b.turn_lump = b.full_rate * turn.length * turn.period * TURN_FILL
             # A launch that found the last slot's work spent was still let
             # through (the probe stops its process after it): this slot pays.
             owed = max(0.0, consumed - (b.credit if b.credit is not None else consumed))

@@ -2,10 +2,10 @@
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from hami_bpf.throttle import (LEARN_MAX_S, TURN_HEADROOM, TURN_IDLE_PTS,
+from hami_bpf.throttle import (LEARN_MAX_S, TURN_FILL, TURN_HEADROOM, TURN_IDLE_PTS,
                                TURN_MAX_GAIN, TURN_PERIOD_S, TURN_STEP, Budget, DeviceView, Turn,
-                               completion_rate, gpu_bound, neighbours, next_edge, scale_rate, tick,
-                               turn_gains, turns)
+                               completion_rate, gpu_bound, learn_alone, neighbours, next_edge,
+                               scale_rate, tick, turn_gains, turns)
 
 
 def run(b, rate_fn, seconds, dt=0.05, device_fn=None, start=0.0, consumed=0):
@@ -475,7 +475,8 @@ def test_a_turn_grants_its_slots_work_as_it_begins_and_nothing_after():
     t = 10.0                                   # a period's start: the slot is 0.03 s on
     assert tick(b, now=t + 0.01, consumed=consumed, turn=turn) <= consumed
     g = tick(b, now=t + 0.031, consumed=consumed, turn=turn)
-    assert g - consumed == pytest.approx(b.full_rate * 0.07, rel=0.01)
+    # All but what handing the GPU over takes (TURN_FILL).
+    assert g - consumed == pytest.approx(b.full_rate * 0.07 * TURN_FILL, rel=0.01)
     # Launching it all at once takes nothing more from the same slot.
     assert tick(b, now=t + 0.05, consumed=g, turn=turn) == g
     # Left unspent at the slot's end: taken back.
@@ -499,8 +500,8 @@ def test_groups_taking_turns_launch_one_at_a_time_at_their_caps():
         if gb > cb:
             launched_in["b"].add(i % 100)
             cb = gb
-    assert (ca - sa) / 2.0 == pytest.approx(30_000, rel=0.03)
-    assert (cb - sb) / 2.0 == pytest.approx(70_000, rel=0.03)
+    assert (ca - sa) / 2.0 == pytest.approx(30_000 * TURN_FILL, rel=0.01)
+    assert (cb - sb) / 2.0 == pytest.approx(70_000 * TURN_FILL, rel=0.01)
     # Each at its slot's start (the tick after, where float time falls short).
     assert launched_in["a"] <= {0, 1} and launched_in["b"] <= {30, 31}
 
@@ -597,3 +598,38 @@ def test_only_gpu_bound_groups_take_turns(why):
     else:
         b.by_completion = False
     assert not gpu_bound(b)
+
+
+# -- learning alone ------------------------------------------------------------
+
+def test_one_group_learns_at_a_time_first_come_and_holds_the_rest():
+    learners = {"late": (2.0, 1), "early": (1.0, 1)}
+    capped = {"late": 1, "early": 1, "running": 1}
+    key, held = learn_alone(learners, capped)
+    assert key == "early" and held == {"late", "running"}
+    # It keeps its turn whoever arrives after.
+    assert learn_alone({**learners, "new": (0.5, 1)}, {**capped, "new": 1}, current="early")[0] == "early"
+
+
+def test_a_higher_priority_learns_first_and_is_never_held_for_a_lower_one():
+    learners = {"low": (1.0, 5), "high": (2.0, 0)}
+    capped = {"low": 5, "high": 0, "running-high": 0, "running-low": 5}
+    key, held = learn_alone(learners, capped, current="low")
+    assert key == "high" and held == {"low", "running-high", "running-low"}
+    key, held = learn_alone({"low": (1.0, 5)}, capped, current="low")
+    assert key == "low" and held == {"running-low"}
+
+
+def test_no_learner_holds_nothing():
+    assert learn_alone({}, {"a": 1}) == (None, frozenset())
+
+
+@given(st.dictionaries(st.integers(0, 9), st.tuples(st.floats(0, 100), st.integers(0, 3)),
+                       min_size=1),
+       st.dictionaries(st.integers(10, 19), st.integers(0, 3)), st.one_of(st.none(), st.integers(0, 9)))
+def test_the_learner_is_never_held_and_holds_none_above_it(learners, others, current):
+    capped = {**{k: p for k, (_s, p) in learners.items()}, **others}
+    key, held = learn_alone(learners, capped, current=current)
+    assert key in learners and key not in held
+    assert all(capped[k] >= learners[key][1] for k in held)
+    assert learners[key][1] == min(p for _s, p in learners.values())
