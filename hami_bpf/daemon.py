@@ -316,7 +316,8 @@ class Daemon:
         self._turns_util: dict[int, float | None] = {}  # ... and what it read
         # Per device, the group learning there alone and the capped groups it
         # holds meanwhile (throttle.learn_alone): (learner key, held keys).
-        self.alone: dict[int, tuple[tuple[int, int], frozenset]] = {}
+        self.alone: dict[int, tuple[tuple[int, int] | None, frozenset]] = {}
+        self._alone_said: dict[int, tuple[tuple[int, int], frozenset]] = {}  # ... as events told it
         self.throttled: dict[str, set[int]] = {}
         self.throttle_since: dict[str, float] = {}
         self._prev_use: dict[tuple[int, int], tuple[float, int]] = {}
@@ -1212,17 +1213,18 @@ class Daemon:
             b = self.budgets[key]
             self.budgets[key] = Budget(cap=b.cap, probe_s=self.probe_cost_s, alone_since=now,
                                        fresh_since=now + ALONE_DRAIN_S)
-        old, self.alone = self.alone, new
+        self.alone = new
         names = self._group_names()
 
         def said(keys):
             return ", ".join(repr(names.get(k[0], k[0])) for k in sorted(keys))
 
-        for dev in sorted(set(old) | set(new)):
+        for dev in sorted(set(self._alone_said) | set(new)):
             # Only holds of groups that launched here are news.
-            (l0, h0), (l1, h1) = old.get(dev, (None, ())), new.get(dev, (None, ()))
-            h0, h1 = {k for k in h0 if launched(k)}, {k for k in h1 if launched(k)}
-            if l0 is not None and h0 and (l0 != l1 or not h1):
+            (l0, h0) = self._alone_said.get(dev, (None, frozenset()))
+            l1, h1 = new.get(dev, (None, ()))
+            h1 = frozenset(k for k in h1 if launched(k))
+            if l0 is not None and (l0 != l1 or not h1):
                 lb = self.budgets.get(l0)
                 how = ("learned its rate" if lb is not None and not lb.learning else
                        f"not learned in {LEARN_ALONE_S:g} s (it learns beside them)"
@@ -1230,11 +1232,15 @@ class Daemon:
                        else "stopped launching")
                 self.record("throttle", f"group {names.get(l0[0], l0[0])!r} device {dev}: {how}; "
                             f"{said(h0)} released", group=names.get(l0[0]), device=dev, alone=False)
-            if l1 is not None and h1 and (l1 != l0 or not h0 or h1 - h0):
+            if l1 is not None and h1 and (l1 != l0 or h1 - h0):
                 self.record("throttle", f"group {names.get(l1[0], l1[0])!r} learns its rate on "
                             f"device {dev} alone: {said(h1)} held (at most {LEARN_ALONE_S:g} s)",
                             group=names.get(l1[0]), device=dev, alone=True,
                             held=sorted(names.get(k[0], str(k[0])) for k in h1))
+            if l1 is not None and h1:
+                self._alone_said[dev] = (l1, h1 | (h0 if l1 == l0 else frozenset()))
+            else:
+                self._alone_said.pop(dev, None)
         held_now = {k for _l, h in new.values() for k in h}
         for key, b in list(self.budgets.items()):
             if key in waited and key not in held_now and key not in restart and b.learning:

@@ -64,6 +64,6 @@ wait $L
 cat "$OUT/launch.jsonl"
 fi
 $H events --socket /tmp/h.sock > "$OUT/events.txt" 2>&1
-grep -i "learned\|turns\|raised" "$OUT/events.txt" | cut -c1-220
+grep -i "learned\|turns\|raised\|alone\|released" "$OUT/events.txt" | cut -c1-220
 kill -TERM $DPID; wait $DPID; echo "daemon exit $? after $(( $(date +%s) - t0 )) s"
 python3 bench/gpu/sm_summary.py "$R"

@@ -20,6 +20,7 @@ import pytest
 
 from hami_bpf.fakecuda import CudaProc, build
 from hami_bpf.server import fetch_snapshot, query
+from hami_bpf.throttle import LEARN_ALONE_S
 from helpers import Daemon, Sampled, Tracked, finish_daemon, gname, wait_for
 
 pytestmark = pytest.mark.bpf
@@ -108,12 +109,16 @@ def test_two_groups_30_70_each_get_their_share(tmp_path, sim):
         finish_daemon(d)
 
 
-def test_on_a_gpu_that_loses_work_when_shared_two_groups_take_turns(tmp_path, sim):
+@pytest.mark.parametrize("alone", [True, False], ids=["learning-alone", "side-by-side"])
+def test_on_a_gpu_that_loses_work_when_shared_two_groups_take_turns(tmp_path, sim, alone):
     # Two processes time-slicing an H200 finish ~92% of one alone; this
     # simulated GPU loses 10% while two share it. Paced side by side, 30 and
     # 70 could not both be met (62.5 / 28.2% on it, docs/benchmarks.md).
+    # Each learns its rate alone (the other held), then they take turns;
+    # learning side by side (--no-sm-learn-alone), both learn ~90% of their
+    # rates, and the turns raise them by what the GPU leaves idle.
     fake = build(tmp_path / "lib")
-    d = Daemon(fake, extra=["--sm-limits"]).start()
+    d = Daemon(fake, extra=["--sm-limits"] + ([] if alone else ["--no-sm-learn-alone"])).start()
     try:
         names = {cap: gname(f"turn{cap}") for cap in (30, 70)}
         procs = {cap: gpu_proc(fake, sim, names[cap], sm=cap, FAKECUDA_SIM_SHARE_EFF="90")
@@ -126,14 +131,23 @@ def test_on_a_gpu_that_loses_work_when_shared_two_groups_take_turns(tmp_path, si
 
         got = benches_together(procs, seconds=16, settle_ms=11000, join_s=180, meanwhile=look)
         assert {gid for gid, devs in shown if devs == (0,)} >= set(names.values()), shown
-        said = [e["message"] for e in query(d.socket, "events", since=0)["events"]
-                if e["kind"] == "throttle"]
+        events = [e for e in query(d.socket, "events", since=0)["events"] if e["kind"] == "throttle"]
+        said = [e["message"] for e in events]
         print("shares", got, *said, sep="\n")
         assert any("take turns" in m for m in said), said
-        assert any("raised" in m for m in said), said
+        rates = [e["data"]["full_rate"] for e in events if "full_rate" in e["data"]]
+        assert len(rates) == 2, said
+        if alone:
+            assert sum("alone" in m for m in said) == 2, said
+            # Each learned what the GPU does for it alone: 1000 launches/s.
+            assert all(r >= 0.95 * FULL * 1000 for r in rates), said
+            assert not any("raised" in m for m in said), said
+        else:
+            assert not any("alone" in m for m in said), said
+            assert any("raised" in m for m in said), said
         assert len(got) == 2
         # Taking turns, the pair does more than the ~90% that sharing leaves
-        # (95% once raised: the rest is TURN_HEADROOM).
+        # (TURN_FILL of the GPU learning alone; raised, TURN_HEADROOM less).
         assert got[30] + got[70] >= 92.5, f"{got}\n" + "\n".join(said)
         for cap, share in got.items():
             assert abs(share - cap) <= TOLERANCE, f"{got}\n" + "\n".join(said)
@@ -196,11 +210,20 @@ def test_a_group_arriving_next_to_a_throttled_one_learns_the_whole_device(tmp_pa
         finally:
             first.close()
             late.close()
-        learned = [e["message"] for e in query(d.socket, "events", since=0)["events"]
-                   if "learned" in e["message"]]
+        events = [e for e in query(d.socket, "events", since=0)["events"] if e["kind"] == "throttle"]
+        learned = [e["message"] for e in events]
         assert len(got) == 2
         assert abs(got["30"] - 30) <= TOLERANCE and abs(got["70"] - 70) <= TOLERANCE, \
             f"{got}\n" + "\n".join(learned)
+        # The newcomer learned alone: the running group was held meanwhile,
+        # for no longer than LEARN_ALONE_S, and the newcomer's rate is whole.
+        alone = [e for e in events if "alone" in e["data"] and "late70" in e["data"]["group"]]
+        assert [e["data"]["alone"] for e in alone] == [True, False], "\n".join(learned)
+        late_name, began, ended = alone[0]["data"]["group"], alone[0]["ts"], alone[1]["ts"]
+        assert 0 < ended - began <= LEARN_ALONE_S + 0.3, "\n".join(learned)
+        rate = next(e["data"]["full_rate"] for e in events
+                    if e["data"].get("group") == late_name and "full_rate" in e["data"])
+        assert rate >= 0.95 * FULL * 1000, learned
     finally:
         finish_daemon(d)
 
