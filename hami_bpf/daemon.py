@@ -44,7 +44,6 @@ UNPACED_S = 2.0     # a neighbour that launched this recently and has no pace ye
 HELD_TICK_S = 0.005
 MAX_HOLD_S = 0.25          # no group is held longer than this, budget or not
 RESUME_MARGIN_S = 0.02
-ALONE_DRAIN_S = 0.15       # a held group's queued work still runs this long (its last grant)
 THROTTLED_SHOWN_S = 1.0   # a group held back within this long shows as throttled
 GRAPH_COST = 4096          # cost units per cuGraphLaunch (feedback corrects it where NVML is)
 HEARTBEAT_STALE_NS = 2_000_000_000
@@ -1052,7 +1051,7 @@ class Daemon:
         holds = self._learn_alone(now, use) if self.cfg.sm_learn_alone else frozenset()
         for dev in rates:
             # Held groups are off the device for the learner (their last
-            # grant drains within ALONE_DRAIN_S): neither busy nor unpaced.
+            # grant, a slot's work at most, drains first): neither busy nor unpaced.
             for k in holds:
                 rates[dev].pop(k, None)
         prio_of = {g.index: self._sched(g.name)[0]
@@ -1205,14 +1204,19 @@ class Daemon:
             elif any(launched(k) for k in held):
                 b = self.budgets[learner]
                 if b.alone_since is None:
+                    # From completions after the others were held: what they
+                    # still have queued runs on for a slot's work at most
+                    # (H200 turns: 70 ms), a few percent of a learning span,
+                    # where waiting for another synchronize would take a second.
                     b.alone_since = now
-                    # What the held groups still have queued is not the learner's.
-                    b.fresh_since = max(b.fresh_since, now + ALONE_DRAIN_S)
+                    b.fresh_since = max(b.fresh_since, now)
             new[dev] = (learner, held)
         for key in restart:
             b = self.budgets[key]
-            self.budgets[key] = Budget(cap=b.cap, probe_s=self.probe_cost_s, alone_since=now,
-                                       fresh_since=now + ALONE_DRAIN_S)
+            # Its turn is counted once (LEARN_ALONE_S), however often it starts over.
+            self.budgets[key] = Budget(cap=b.cap, probe_s=self.probe_cost_s, fresh_since=now,
+                                       alone_since=b.alone_since if b.alone_since is not None
+                                       else now)
         self.alone = new
         names = self._group_names()
 
@@ -1245,7 +1249,8 @@ class Daemon:
         for key, b in list(self.budgets.items()):
             if key in waited and key not in held_now and key not in restart and b.learning:
                 # Its learning ran across a hold: start it over, from after it.
-                self.budgets[key] = Budget(cap=b.cap, probe_s=self.probe_cost_s, fresh_since=now)
+                self.budgets[key] = Budget(cap=b.cap, probe_s=self.probe_cost_s, fresh_since=now,
+                                           alone_since=b.alone_since)
         return frozenset(held_now)
 
     def _calibrate_turns(self, now: float) -> None:
