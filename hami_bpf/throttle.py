@@ -21,6 +21,12 @@ simulated GPU, bench/sim_sm.py; docs/benchmarks.md):
    While a group learns, a synchronize's return also spends its grant (a
    BPF checkpoint, at most every 200 ms), so the grant that learning sets
    applies before the workload refills a second-deep queue.
+   A group learns alone where it can (learn_alone(), daemon._learn_alone):
+   the device's other capped groups are held meanwhile, at most
+   LEARN_ALONE_S, since next to another process the GPU time-slices and
+   the pace comes out short (H200 matmuls: 92% side by side, 72-74% next to
+   a group capped at 70); 2 is for where it cannot (an uncapped group busy
+   there, a higher-priority one, or learning that outlasts the hold).
 2. Correct F for contention. If the device was saturated while learning
    (device utilization >= SATURATED), other groups were taking part of it:
    the group's own part of the busy time, Ug (utilization attributed to it:
@@ -43,10 +49,10 @@ simulated GPU, bench/sim_sm.py; docs/benchmarks.md):
    so two groups capped at 30 and 70, each paced at its cap, could not both
    reach it. Where two or more groups capped on one device only have their
    rates, they take turns instead (turns()): each owns a slot of a period
-   (TURN_PERIOD_S) as long as its cap, is granted the slot's whole work as
-   it begins and nothing once it ends, so their work reaches the GPU one
-   group at a time (taking turns by the clock, the same pair did 97.4%:
-   bench/gpu/turns.sh). Rates learned side by side are short by the
+   (TURN_PERIOD_S) as long as its cap, is granted the slot's work
+   (TURN_FILL of it) as it begins and nothing once it ends, so their work
+   reaches the GPU one group at a time (taking turns by the clock, the same
+   pair did 97.4%: bench/gpu/turns.sh). Rates learned side by side are short by the
    time-slicing loss; in turns the GPU then idles, and turn_gains() raises
    them by what NVML shows idle.
 
