@@ -63,6 +63,7 @@ class DaemonConfig:
     hami_regions: str | None = None      # publish HAMi shared-region files under this dir; None = off
     sm_lend_idle: bool = False           # a capped group may use what higher/equal priority leave idle
     sm_turns: bool = True                # groups capped on one device take turns (throttle.turns)
+    sm_turn_ms: int = 100                # the turns' period (throttle.TURN_PERIOD_S)
     sm_learn_alone: bool = True          # a group learns its rate with its device's capped groups held
 
     def __post_init__(self) -> None:
@@ -72,3 +73,5 @@ class DaemonConfig:
             raise ValueError(f"oom_action {self.oom_action!r} is not one of {', '.join(OOM_ACTIONS)}")
         if self.metrics_addr is not None:
             parse_host_port(self.metrics_addr)
+        if not 20 <= self.sm_turn_ms <= 1000:
+            raise ValueError(f"sm_turn_ms {self.sm_turn_ms} is not between 20 and 1000")

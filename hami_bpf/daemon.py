@@ -30,7 +30,7 @@ from .limits import (HAMI_DEFAULT_PRIORITY, EnvLimits, PolicyError, effective_li
                      visible_to_physical)
 from .metrics import observe_exit_latency
 from .slots import SlotTable
-from .throttle import (BUSY_S, LEARN_ALONE_S, TURN_CALIBRATE_S, TURN_PERIOD_S, UNLIMITED, Budget,
+from .throttle import (BUSY_S, LEARN_ALONE_S, TURN_CALIBRATE_S, UNLIMITED, Budget,
                        Completions, Turn, completion_rate, gpu_bound, held_to_cap, learn_alone,
                        neighbours, next_edge, scale_rate, tick as budget_tick, turn_gains, turns)
 from .snapshot import (SCHEMA_VERSION, DeviceInfo, DeviceUsage, EventRecord, GroupInfo, ProcessInfo,
@@ -1312,7 +1312,7 @@ class Daemon:
                 caps[key[1]][key] = b.cap
         new = {}
         for dev, on in caps.items():
-            new.update(turns(on, epoch=self._turn_epoch))
+            new.update(turns(on, epoch=self._turn_epoch, period=self.cfg.sm_turn_ms / 1000))
         for dev in sorted({d for _g, d in new} | {d for _g, d in self.turns}):
             mine = sorted(k for k in new if k[1] == dev)
             if mine == sorted(k for k in self.turns if k[1] == dev):
@@ -1320,7 +1320,7 @@ class Daemon:
             names = self._group_names()
             self.record("throttle", f"device {dev}: " + (
                 "groups " + ", ".join(f"{names.get(k[0], k[0])!r} ({new[k].length:.0%})" for k in mine)
-                + f" take turns every {TURN_PERIOD_S * 1000:g} ms" if mine else "no turns"),
+                + f" take turns every {self.cfg.sm_turn_ms:g} ms" if mine else "no turns"),
                 device=dev, turns={names.get(k[0], str(k[0])): round(new[k].length, 4) for k in mine})
             self._turns_read = None     # the utilization of other turns says nothing
             self._turns_util.pop(dev, None)

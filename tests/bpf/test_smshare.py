@@ -118,7 +118,9 @@ def test_on_a_gpu_that_loses_work_when_shared_two_groups_take_turns(tmp_path, si
     # learning side by side (--no-sm-learn-alone), both learn ~90% of their
     # rates, and the turns raise them by what the GPU leaves idle.
     fake = build(tmp_path / "lib")
-    d = Daemon(fake, extra=["--sm-limits"] + ([] if alone else ["--no-sm-learn-alone"])).start()
+    # Side by side also with a longer period: the option reaches the turns.
+    d = Daemon(fake, extra=["--sm-limits"] + ([] if alone else ["--no-sm-learn-alone",
+                                                                "--sm-turn-ms", "200"])).start()
     try:
         names = {cap: gname(f"turn{cap}") for cap in (30, 70)}
         procs = {cap: gpu_proc(fake, sim, names[cap], sm=cap, FAKECUDA_SIM_SHARE_EFF="90")
@@ -134,7 +136,7 @@ def test_on_a_gpu_that_loses_work_when_shared_two_groups_take_turns(tmp_path, si
         events = [e for e in query(d.socket, "events", since=0)["events"] if e["kind"] == "throttle"]
         said = [e["message"] for e in events]
         print("shares", got, *said, sep="\n")
-        assert any("take turns" in m for m in said), said
+        assert any(f"take turns every {100 if alone else 200} ms" in m for m in said), said
         rates = [e["data"]["full_rate"] for e in events if "full_rate" in e["data"]]
         assert len(rates) == 2, said
         if alone:
