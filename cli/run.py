@@ -98,7 +98,7 @@ class UnixGroupType(click.ParamType):
                    "GPU_CORE_UTILIZATION_POLICY=force keeps a group at its cap regardless.")
 @click.option("--sm-turns/--no-sm-turns", default=True, show_default=True,
               help="Let groups capped on one GPU take turns: each gets a slot of every "
-                   "100 ms as long as its cap, so their kernels do not time-slice the GPU "
+                   "period (--sm-turn-ms) as long as its cap, so their kernels do not time-slice the GPU "
                    "(two processes sharing an H200 finish ~8% less than one alone).")
 @click.option("--sm-turn-ms", "sm_turn_ms", type=click.IntRange(20, 1000), default=100,
               show_default=True,
