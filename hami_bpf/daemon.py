@@ -1152,7 +1152,7 @@ class Daemon:
                               self.counters["holds_cut_short"], self.counters["throttle_episodes"])
             held_for = now - self.throttle_since.get(group, now)
             if group in self.throttled and (room or held_for > MAX_HOLD_S):
-                if not room and not any(k[0] == g.index for k in holds):
+                if not room and not any(k[0] == g.index and use.get(k, (0,))[0] for k in holds):
                     # A hold must never outlive one refill period: whatever the
                     # budget says, the group runs again (and is counted).
                     self.counters["holds_cut_short"] += 1
@@ -1361,21 +1361,26 @@ class Daemon:
             self.throttle_since[group] = at if 0 < at <= now else now
             self.counters["throttle_episodes"] += 1
         g = self.table.group(group)
-        new = []
-        for key in (g.slots if g else ()):
-            if key.pid in held:
-                continue
-            if key.pid != pid:
-                if enforce.proc_state(key.pid) in ("T", "t"):
-                    continue   # someone else's stop: not ours to hold, nor to resume
+        new = [(key.pid, key.start_time) for key in (g.slots if g else ())
+               if key.pid not in held and (key.pid == pid or enforce.proc_state(key.pid)
+                                           not in ("T", "t"))]   # else: someone else's stop
+        if not new:
+            return
+        # Recorded before they are stopped: a controller killed in between
+        # leaves a record of a running process (recovery skips it), never a
+        # stopped process without one.
+        self.stopped.add_many(new, f"SM cap of group {group}")
+        gone = []
+        for p, _st in new:
+            if p != pid:
                 try:
-                    os.kill(key.pid, signal.SIGSTOP)
+                    os.kill(p, signal.SIGSTOP)
                 except ProcessLookupError:
+                    gone.append(p)
                     continue
-            held.add(key.pid)
-            new.append((key.pid, key.start_time))
-        if new:
-            self.stopped.add_many(new, f"SM cap of group {group}")
+            held.add(p)
+        if gone:
+            self.stopped.remove_many(gone)
 
     def _resume_group(self, group: str) -> None:
         held = self.throttled.pop(group, set())

@@ -1,5 +1,5 @@
-"""The pure /proc helpers of hami_bpf/daemon.py (no bcc needed: daemon.py
-imports bcc only inside Daemon.start)."""
+"""The /proc helpers of hami_bpf/daemon.py, and a Daemon that was never
+started (no bcc needed: daemon.py imports bcc only inside Daemon.start)."""
 from __future__ import annotations
 
 import os
@@ -57,3 +57,47 @@ def test_proc_comm_and_ns_pid_of_self():
     assert ns_pid(os.getpid()) is not None
     assert proc_comm(2**22 + 1) == ""
     assert ns_pid(2**22 + 1) is None
+
+
+def test_a_controller_killed_while_holding_a_group_leaves_a_record_of_each_stop(tmp_path,
+                                                                                monkeypatch):
+    # A launch past the budget stopped one process (in BPF); the controller
+    # stops its peers. Killed between a peer's SIGSTOP and writing it down,
+    # it would leave that peer stopped with no record for the next run to
+    # resume: each stop is recorded first.
+    import signal
+
+    from hami_bpf import abi, enforce
+    from hami_bpf.config import DaemonConfig
+    from hami_bpf.daemon import Daemon
+    from hami_bpf.events import ProcessRegistered, ProcKey
+
+    peers = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
+    try:
+        d = Daemon(DaemonConfig(state_dir=str(tmp_path)))
+        d.stopped = enforce.StoppedSet(str(tmp_path))
+        for p in peers:
+            d.table.apply(ProcessRegistered(ProcKey(p.pid, enforce.proc_start_time(p.pid)), "g"))
+        d.sm_caps["g"] = {0: 30}
+        signals = []
+
+        def dying_kill(pid, sig):
+            if sig == signal.SIGSTOP:
+                assert pid in enforce.StoppedSet._load(d.stopped.path), "stopped before recorded"
+                signals.append(pid)
+                raise KeyboardInterrupt   # the controller dies right after this stop
+
+        monkeypatch.setattr(os, "kill", dying_kill)
+        e = abi.Event()
+        e.tgid = peers[0].pid
+        try:
+            d._throttle(e)
+        except KeyboardInterrupt:
+            pass
+        assert signals == [peers[1].pid]
+        assert set(enforce.StoppedSet._load(d.stopped.path)) == {p.pid for p in peers}
+    finally:
+        monkeypatch.undo()
+        for p in peers:
+            p.kill()
+            p.wait()
