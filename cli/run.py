@@ -5,8 +5,8 @@ import os
 
 import click
 
-from hami_bpf.config import (DEFAULT_SOCKET, DEFAULT_STATE_DIR, OOM_ACTIONS, DaemonConfig,
-                             parse_group_by, parse_host_port)
+from hami_bpf.config import (DEFAULT_SM_TURN_MS, DEFAULT_SOCKET, DEFAULT_STATE_DIR, OOM_ACTIONS,
+                             DaemonConfig, parse_group_by, parse_host_port)
 
 from .common import CliError
 
@@ -98,10 +98,11 @@ class UnixGroupType(click.ParamType):
                    "GPU_CORE_UTILIZATION_POLICY=force keeps a group at its cap regardless.")
 @click.option("--sm-turns/--no-sm-turns", default=True, show_default=True,
               help="Let groups capped on one GPU take turns: each gets a slot of every "
-                   "period (--sm-turn-ms) as long as its cap, so their kernels do not time-slice the GPU "
+                   "period (--sm-turn-ms) as long as its cap, so their kernels do not "
+                   "time-slice the GPU "
                    "(two processes sharing an H200 finish ~8% less than one alone).")
-@click.option("--sm-turn-ms", "sm_turn_ms", type=click.IntRange(20, 1000), default=100,
-              show_default=True,
+@click.option("--sm-turn-ms", "sm_turn_ms", type=click.IntRange(20, 1000),
+              default=DEFAULT_SM_TURN_MS, show_default=True,
               help="The turns' period: a group capped at 30 waits up to 70% of it for its slot; "
                    "a longer one hands the GPU over less often (H200, matmuls 30/70: the pair "
                    "kept ~95.6% of the GPU at 100 ms, ~97.0% at 200 ms).")

@@ -8,8 +8,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from .throttle import TURN_PERIOD_S
+
 DEFAULT_SOCKET = "/run/hami-bpf/hami-bpf.sock"
 DEFAULT_STATE_DIR = "/run/hami-bpf"
+DEFAULT_SM_TURN_MS = round(TURN_PERIOD_S * 1000)
 
 GROUP_BY_FIXED = ("cgroup", "pid")
 OOM_ACTIONS = ("auto", "return-oom", "stop-rewrite", "kill", "observe")
@@ -63,7 +66,7 @@ class DaemonConfig:
     hami_regions: str | None = None      # publish HAMi shared-region files under this dir; None = off
     sm_lend_idle: bool = False           # a capped group may use what higher/equal priority leave idle
     sm_turns: bool = True                # groups capped on one device take turns (throttle.turns)
-    sm_turn_ms: int = 100                # the turns' period (throttle.TURN_PERIOD_S)
+    sm_turn_ms: int = DEFAULT_SM_TURN_MS  # the turns' period
     sm_learn_alone: bool = True          # a group learns its rate with its device's capped groups held
 
     def __post_init__(self) -> None:

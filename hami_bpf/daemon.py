@@ -1048,14 +1048,13 @@ class Daemon:
             if consumed:
                 self._first_busy.setdefault(key, now)
             self._prev_use[key] = (now, consumed)
-        holds = self._learn_alone(now, use) if self.cfg.sm_learn_alone else frozenset()
-        for dev in rates:
+        prio_of = {g.index: self._sched(g.name)[0] for g in self.table.groups()
+                   } if self.cfg.sm_lend_idle or self.cfg.sm_learn_alone else {}
+        holds = self._learn_alone(now, use, prio_of) if self.cfg.sm_learn_alone else frozenset()
+        for k in holds:
             # Held groups are off the device for the learner (their last
             # grant, a slot's work at most, drains first): neither busy nor unpaced.
-            for k in holds:
-                rates[dev].pop(k, None)
-        prio_of = {g.index: self._sched(g.name)[0]
-                   for g in self.table.groups()} if self.cfg.sm_lend_idle else {}
+            rates.get(k[1], {}).pop(k, None)
         # Only a budget still learning reads the device (a new one learns too):
         # no NVML call per tick once every capped group has its rate.
         # A budget on a device its group never launched on stays "learning"
@@ -1162,15 +1161,15 @@ class Daemon:
         if self.turns and not learning and self.devices.has_utilization:
             self._calibrate_turns(now)
 
-    def _learn_alone(self, now: float, use: dict) -> frozenset:
+    def _learn_alone(self, now: float, use: dict, prio: dict[int, int]) -> frozenset:
         """Let one group at a time learn its rate on each device while the
         device's other capped groups are held (throttle.learn_alone), at most
         LEARN_ALONE_S each; not where an uncapped group is busy (it is never
         held, so no one learns alone there). A capped group's first launch on
         a device is held too, until it is its turn (or no one else's): else
         groups starting together would each queue a second of work that runs
-        in the other's learning. Returns the keys held this tick."""
-        prio = {g.index: self._sched(g.name)[0] for g in self.table.groups()}
+        in the other's learning. `prio`: group index -> priority. Returns the
+        keys held this tick."""
         waited = {k for _l, h in self.alone.values() for k in h}
 
         def launched(k):
@@ -1212,11 +1211,7 @@ class Daemon:
                     b.fresh_since = max(b.fresh_since, now)
             new[dev] = (learner, held)
         for key in restart:
-            b = self.budgets[key]
-            # Its turn is counted once (LEARN_ALONE_S), however often it starts over.
-            self.budgets[key] = Budget(cap=b.cap, probe_s=self.probe_cost_s, fresh_since=now,
-                                       alone_since=b.alone_since if b.alone_since is not None
-                                       else now)
+            self._restart_learning(key, now, alone=True)
         self.alone = new
         names = self._group_names()
 
@@ -1248,10 +1243,17 @@ class Daemon:
         held_now = {k for _l, h in new.values() for k in h}
         for key, b in list(self.budgets.items()):
             if key in waited and key not in held_now and key not in restart and b.learning:
-                # Its learning ran across a hold: start it over, from after it.
-                self.budgets[key] = Budget(cap=b.cap, probe_s=self.probe_cost_s, fresh_since=now,
-                                           alone_since=b.alone_since)
+                self._restart_learning(key, now)   # its learning ran across a hold
         return frozenset(held_now)
+
+    def _restart_learning(self, key: tuple[int, int], now: float, alone: bool = False) -> None:
+        """Start a budget's learning over, from completions after `now`;
+        `alone`: it learns alone from now. Its turn alone is counted once
+        (LEARN_ALONE_S), however often it starts over."""
+        b = self.budgets[key]
+        since = b.alone_since if b.alone_since is not None or not alone else now
+        self.budgets[key] = Budget(cap=b.cap, probe_s=self.probe_cost_s, fresh_since=now,
+                                   alone_since=since)
 
     def _calibrate_turns(self, now: float) -> None:
         """Raise the rates of groups taking turns where the GPU idles in them

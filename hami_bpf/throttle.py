@@ -52,9 +52,9 @@ simulated GPU, bench/sim_sm.py; docs/benchmarks.md):
    (TURN_PERIOD_S) as long as its cap, is granted the slot's work
    (TURN_FILL of it) as it begins and nothing once it ends, so their work
    reaches the GPU one group at a time (taking turns by the clock, the same
-   pair did 97.4%: bench/gpu/turns.sh). Rates learned side by side are short by the
-   time-slicing loss; in turns the GPU then idles, and turn_gains() raises
-   them by what NVML shows idle.
+   pair did 97.4%: bench/gpu/turns.sh). Rates learned side by side are
+   short by the time-slicing loss; in turns the GPU then idles, and
+   turn_gains() raises them by what NVML shows idle.
 
 No feedback loop trims R afterwards. Two were tried on the H200 and in the
 simulator: one on completions, one on NVML utilization. Both react to a
@@ -327,9 +327,10 @@ def _learned(b: Budget, pace: float, since: float, until: float, consumed: int) 
 def learn_alone(learners: dict, capped: dict, *, current=None) -> tuple:
     """Which group learning on a device learns there alone now, and which
     capped groups it holds meanwhile: (key, frozenset of keys), or (None,
-    frozenset()). `learners`: {key: (since, priority)} of the groups busy
-    learning there; `capped`: {key: priority} of every capped group that
-    launched there. A smaller priority number is higher (HAMi's).
+    frozenset()). `learners`: {key: (since, priority)} of the groups that
+    may learn there now; `capped`: {key: priority} of every capped group
+    there (one that has not launched yet is held at its first launch). A
+    smaller priority number is higher (HAMi's).
 
     One at a time, highest priority first, then the first to arrive; the one
     learning keeps its turn unless a higher priority arrives. It holds only
@@ -388,7 +389,7 @@ def _take_turn(b: Budget, turn: Turn, now: float, consumed: int) -> int:
     if start <= now < end:
         k = round((start - turn.epoch) / turn.period)
         if b.turn_k != k:
-            # The whole slot's work at once: a GPU-bound launcher queues it
+            # The slot's work at once: a GPU-bound launcher queues it
             # and the GPU runs it while the others wait their turns.
             b.turn_k, b.turn_open = k, True
             b.turn_lump = b.full_rate * turn.length * turn.period * TURN_FILL
