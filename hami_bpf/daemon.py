@@ -335,8 +335,11 @@ class Daemon:
         self.simulated = False
         self.libs: list[Path] = []
         self.policy = None
-        self._stop = threading.Event()
-        self._reload = threading.Event()
+        # Set from signal handlers, so plain flags: a handler must take no lock
+        # (threading.Event.set() does; a second SIGINT arriving while the first
+        # handler held it deadlocked the daemon before its shutdown).
+        self._stopping = False
+        self._reload_asked = False
         self._snap = Snapshot.empty()
         self._dirty = True
         self.probes = None
@@ -771,7 +774,7 @@ class Daemon:
 
     def loop(self) -> None:
         last_reap = last_sweep = time.monotonic()
-        while not self._stop.is_set():
+        while not self._stopping:
             self.probes.heartbeat()
             # While a group is held, tick fast: the hold should end as soon as
             # the budget allows, or the held time itself lowers the share.
@@ -786,8 +789,8 @@ class Daemon:
                 live = {p.key.pid for p in self.table.processes()} | self.probes.bpf_procs()
                 self.probes.sweep(live)
                 last_sweep = now
-            if self._reload.is_set():
-                self._reload.clear()
+            if self._reload_asked:
+                self._reload_asked = False   # one asked meanwhile reads the same file
                 self.reload_policy()
             if self._dirty or self.cfg.count_launches or self.sm_caps:
                 self._rebuild_snapshot()
@@ -804,11 +807,12 @@ class Daemon:
         return max(1, math.ceil(wait * 1000))
 
     def stop(self) -> None:
-        self._stop.set()
+        """SIGTERM/SIGINT: the loop ends at its next turn (safe in a signal handler)."""
+        self._stopping = True
 
     def request_reload(self) -> None:
         """SIGHUP: the loop re-reads --policy at its next turn."""
-        self._reload.set()
+        self._reload_asked = True
 
     def reload_policy(self) -> None:
         """Re-read --policy (same ownership and syntax checks as at start) and

@@ -7,6 +7,7 @@ or not); throughput ratios are measured by bench/, not here.
 """
 from __future__ import annotations
 
+import os
 import signal
 import time
 
@@ -129,6 +130,42 @@ def test_sigkill_daemon_while_throttled_then_restart_leaves_none_stopped(tmp_pat
     finally:
         for p in procs:
             p.close()
+
+
+def test_a_burst_of_signals_still_shuts_down_and_resumes_every_hold(tmp_path):
+    # SIGTERM from a supervisor and a ^C from a user, or `timeout` forwarding
+    # the ^C it got too: a second signal arriving while the first one's
+    # handler ran once deadlocked the daemon before its shutdown, leaving
+    # whatever it held stopped.
+    fakecuda = build(tmp_path / "lib")
+    d = Daemon(fakecuda, extra=["--sm-limits"]).start()
+    p = spawn(fakecuda, gname("burst"), sm=10)
+    try:
+        run = Launching(p, 3000000)
+        wait_for(lambda: None if proc_state(p.pid) == "T" else "not throttled yet", 10,
+                 what="a throttle stop")
+        # Signals as fast as they can be sent for a while: some arrive while
+        # a handler runs.
+        end, i = time.monotonic() + 2.0, 0
+        while time.monotonic() < end and d.proc.poll() is None:
+            try:
+                os.kill(d.proc.pid, signal.SIGINT if i % 2 else signal.SIGTERM)
+            except ProcessLookupError:
+                break
+            i += 1
+        try:
+            rc = d.proc.wait(20)
+        except Exception:
+            d.proc.kill()
+            raise AssertionError(f"daemon still running 20 s after the signals\n{d.log()[-1500:]}")
+        assert rc == 0, d.log()[-1500:]
+        assert "stopped" in d.log().splitlines()[-1], d.log()[-1500:]
+        assert p.pid not in stopped_pids(), "the daemon left its hold in place"
+        run.t.join(60)
+        assert run.reply and run.reply.get("rc") == "0", run.reply
+    finally:
+        p.close()
+        d.cleanup()
 
 
 def test_caps_are_not_enforced_with_no_sm_limits(tmp_path):
