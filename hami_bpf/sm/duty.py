@@ -1,0 +1,191 @@
+"""Duty pacing: an SM cap as a share of wall time, for groups that synchronize.
+
+Pure: observations in, decisions out; no I/O, no clock reads.
+
+Why time and not a price per block: a block's cost on the GPU differs by
+orders of magnitude between kernels (cudnn's autotuning, a decode step, a
+prefill step), so a price learned in one phase is wrong in the next, and a
+price that is too high stops a job. A group's progress, though, is
+proportional to the time it is allowed to run, whatever its kernels cost:
+hold a group for (100 - cap)% of the time and it does cap% of its uncapped
+work. A hold only takes time off the GPU if the group has nothing left queued
+there, and a synchronize's return is exactly such a moment (everything
+launched before it is done). So a group that synchronizes often (PyTorch at
+every .item(), .cpu() or torch.cuda.synchronize(); a decode loop once per
+token) is held at its next synchronize's return, and for as long as its
+running time owes.
+
+The books, per (group index, device):
+  debt += dt x (100 - cap) / cap   while the group runs and is active there
+  debt -= dt                       while it is held, or idle there
+A group is active on a device while it launched or synchronized there within
+ACTIVE_GRACE_S. Debt has a floor (an idle group banks at most BURST_S of
+running) and a ceiling (MAX_DEBT_S). Once debt reaches QUANTUM_S the group
+is asked to stop at its next synchronize's return (BPF, `hold_at_sync`); if
+none comes within FORCE_AFTER_S, at its next launch. A held group is released
+once its debts are paid, and after MAX_HOLD_S whatever they say: a hold
+never outlives that, so a wrong estimate can only let a group run more.
+
+Groups that synchronize rarely (below PACED_HZ) are not paced here: their
+work sits in a launch queue that a hold does not drain, and the launch
+budget (hami_bpf.throttle) paces them. `mode()` says which one applies.
+"""
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Mapping
+
+QUANTUM_S = 0.05       # debt at which a hold is asked for
+FORCE_AFTER_S = 0.15   # asked this long with no synchronize's return: stop at the next launch
+MAX_HOLD_S = 0.25      # no hold lasts longer (the daemon's bound for every hold)
+MAX_DEBT_S = 1.0       # debt kept at most: a long unsynchronized run is not repaid for seconds
+BURST_S = 0.05         # running time an idle group may bank
+ACTIVE_GRACE_S = 0.05  # launched or synchronized this recently: active on the device
+SYNC_WINDOW_S = 1.0    # synchronize rate measured over this long
+PACED_HZ = 5.0         # synchronizes per second at which a group is paced by time
+UNPACED_HZ = 2.0       # ... and below which it goes back to the launch budget
+MAX_STEP_S = 0.5       # a longer gap between steps (a stalled controller) counts as this
+
+
+class Mode(str, Enum):
+    BUDGET = "budget"   # launch budget (hami_bpf.throttle)
+    DUTY = "duty"       # held at synchronize returns for (100 - cap)% of the time
+
+
+class Ask(str, Enum):
+    NONE = "none"       # run
+    SYNC = "sync"       # stop at the next synchronize's return
+    LAUNCH = "launch"   # stop at the next launch (no synchronize came)
+
+
+@dataclass(frozen=True)
+class Use:
+    """What the probes counted for one (group, device): sm_use."""
+    consumed: int       # cost units launched in total
+    syncs: int          # synchronize calls that returned
+
+
+@dataclass(frozen=True)
+class Observation:
+    now: float                                  # monotonic seconds
+    caps: Mapping[tuple[int, int], float]       # (group index, device) -> cap percent
+    use: Mapping[tuple[int, int], Use]
+    held: Mapping[int, float]                   # group index -> held since (monotonic)
+
+
+@dataclass(frozen=True)
+class KeyDecision:
+    mode: Mode
+    ask: Ask
+    debt: float
+
+
+@dataclass(frozen=True)
+class Decision:
+    keys: Mapping[tuple[int, int], KeyDecision]
+    release: frozenset[int]                     # held groups to resume now
+    cut_short: frozenset[int]                   # ... of them, released with debt left (MAX_HOLD_S)
+    mode_changes: tuple[tuple[tuple[int, int], Mode], ...]
+    next_step: float | None                     # when a held group's debt is paid
+
+
+@dataclass
+class _Key:
+    cap: float
+    t: float
+    consumed: int
+    syncs: int
+    debt: float = 0.0
+    mode: Mode = Mode.BUDGET
+    last_active: float = -1e9
+    asked_since: float | None = None
+    sync_marks: collections.deque = field(default_factory=collections.deque)
+
+    def owes_per_s(self) -> float:
+        return (100.0 - self.cap) / self.cap
+
+
+def _sync_rate(k: _Key, now: float) -> float:
+    marks = k.sync_marks
+    while len(marks) > 1 and now - marks[1][0] >= SYNC_WINDOW_S:
+        marks.popleft()
+    if not marks:
+        return 0.0
+    t0, s0 = marks[0]
+    span = max(now - t0, SYNC_WINDOW_S / 2)
+    return (k.syncs - s0) / span
+
+
+class DutyPacer:
+    """Keeps the books of every capped (group, device); `step` once per tick."""
+
+    def __init__(self) -> None:
+        self._keys: dict[tuple[int, int], _Key] = {}
+
+    def forget_group(self, group_index: int) -> None:
+        for key in [k for k in self._keys if k[0] == group_index]:
+            del self._keys[key]
+
+    def debt(self, key: tuple[int, int]) -> float | None:
+        k = self._keys.get(key)
+        return None if k is None else k.debt
+
+    def step(self, obs: Observation) -> Decision:
+        now = obs.now
+        for key in [k for k in self._keys if k not in obs.caps]:
+            del self._keys[key]
+        decisions: dict[tuple[int, int], KeyDecision] = {}
+        changes: list[tuple[tuple[int, int], Mode]] = []
+        for key, cap in obs.caps.items():
+            u = obs.use.get(key, Use(0, 0))
+            k = self._keys.get(key)
+            if k is None:
+                k = self._keys[key] = _Key(cap=cap, t=now, consumed=u.consumed, syncs=u.syncs)
+                k.sync_marks.append((now, u.syncs))
+            k.cap = min(max(cap, 1.0), 99.0)
+            dt = min(max(now - k.t, 0.0), MAX_STEP_S)
+            if u.consumed != k.consumed or u.syncs != k.syncs:
+                k.last_active = now
+            held = key[0] in obs.held
+            if held or now - k.last_active > ACTIVE_GRACE_S:
+                k.debt -= dt
+            else:
+                k.debt += dt * k.owes_per_s()
+            k.debt = min(max(k.debt, -BURST_S * k.owes_per_s()), MAX_DEBT_S)
+            k.t, k.consumed, k.syncs = now, u.consumed, u.syncs
+            k.sync_marks.append((now, u.syncs))
+            rate = _sync_rate(k, now)
+            mode = (Mode.DUTY if rate >= PACED_HZ else
+                    Mode.BUDGET if rate < UNPACED_HZ else k.mode)
+            if mode != k.mode:
+                k.mode = mode
+                k.debt = min(k.debt, 0.0)
+                k.asked_since = None
+                changes.append((key, mode))
+            ask = Ask.NONE
+            if k.mode is Mode.DUTY and not held and k.debt >= QUANTUM_S:
+                if k.asked_since is None:
+                    k.asked_since = now
+                ask = Ask.LAUNCH if now - k.asked_since >= FORCE_AFTER_S else Ask.SYNC
+            else:
+                k.asked_since = None
+            decisions[key] = KeyDecision(k.mode, ask, k.debt)
+
+        release, cut, next_step = set(), set(), None
+        for gi, since in obs.held.items():
+            mine = [k for key, k in self._keys.items() if key[0] == gi and k.mode is Mode.DUTY]
+            if not mine:
+                continue    # held by the launch budget, or by someone else's rule
+            owed = max(k.debt for k in mine)
+            if owed <= 0:
+                release.add(gi)
+            elif now - since >= MAX_HOLD_S:
+                release.add(gi)
+                cut.add(gi)
+            else:
+                due = now + min(owed, MAX_HOLD_S - (now - since))
+                next_step = due if next_step is None else min(next_step, due)
+        return Decision(keys=decisions, release=frozenset(release), cut_short=frozenset(cut),
+                        mode_changes=tuple(changes), next_step=next_step)
