@@ -237,11 +237,11 @@ static __always_inline __u32 deny(struct pt_regs *ctx, struct hami_config *c)
 			stat_inc(HAMI_STAT_STALE_SKIPS);
 			return HAMI_ACT_NONE_STALE;
 		}
-		bpf_send_signal(19 /* SIGSTOP */);
+		bpf_send_signal(HAMI_SIGSTOP);
 		stat_inc(HAMI_STAT_STOPS);
 		return act;
 	case HAMI_ACT_KILL:
-		bpf_send_signal(9 /* SIGKILL */);
+		bpf_send_signal(HAMI_SIGKILL);
 		return act;
 #ifdef HAMI_HAVE_REG_WRITE
 	case HAMI_ACT_RETURN_OOM: {
@@ -462,7 +462,7 @@ int uprobe__cuInit(struct pt_regs *ctx)
 		return 0;
 	struct hami_config *c = get_config();
 	if (c && (c->flags & HAMI_CFG_GATE_INIT) && !proc_cfg.lookup(&tgid) && controller_alive(c)) {
-		bpf_send_signal(19 /* SIGSTOP */);
+		bpf_send_signal(HAMI_SIGSTOP);
 		stat_inc(HAMI_STAT_STOPS);
 		e->flags = HAMI_F_STOPPED;
 	}
@@ -764,7 +764,7 @@ int uretprobe__meminfo_return(struct pt_regs *ctx)
 					 call.fn == HAMI_FN_NVMLMEM ? HAMI_EV_NVMLMEM : HAMI_EV_TOTALMEM);
 	if (!e)
 		return 0;
-	bpf_send_signal(19 /* SIGSTOP */);
+	bpf_send_signal(HAMI_SIGSTOP);
 	stat_inc(HAMI_STAT_STOPS);
 	e->device = call.device;
 	e->group = call.group;
@@ -822,7 +822,7 @@ static __always_inline int launch_charge(struct pt_regs *ctx, __u64 cost)
 	struct hami_event *e = new_event(HAMI_EV_THROTTLE);
 	if (!e)
 		return 0;  /* nobody would learn of the stop: don't stop */
-	bpf_send_signal(19 /* SIGSTOP */);
+	bpf_send_signal(HAMI_SIGSTOP);
 	stat_inc(HAMI_STAT_THROTTLES);
 	e->flags = HAMI_F_STOPPED;
 	e->device = gk.device;
@@ -887,6 +887,35 @@ int uprobe__sync_enter(struct pt_regs *ctx)
 	return 0;
 }
 
+/*
+ * Duty pacing: the controller asked for this group to be held at its next
+ * synchronize's return, where everything it launched before is done, so the
+ * hold takes its time off the GPU too. One thread takes the request (cmpxchg)
+ * and stops its process; the controller stops the group's other processes.
+ */
+static __always_inline void hold_at_sync(struct hami_gkey *gk)
+{
+	struct hami_smgrant *g = sm_grant.lookup(gk);
+	if (!g || !g->limited || !g->hold_at_sync)
+		return;
+	if (__sync_val_compare_and_swap(&g->hold_at_sync, 1, 0) != 1)
+		return;
+	struct hami_config *c = get_config();
+	if (!controller_alive(c)) {
+		stat_inc(HAMI_STAT_STALE_SKIPS);
+		return;
+	}
+	struct hami_event *e = new_event(HAMI_EV_THROTTLE);
+	if (!e)
+		return;  /* nobody would learn of the stop: don't stop */
+	bpf_send_signal(HAMI_SIGSTOP);
+	stat_inc(HAMI_STAT_THROTTLES);
+	e->flags = HAMI_F_STOPPED | HAMI_F_AT_SYNC;
+	e->device = gk->device;
+	e->group = gk->group;
+	events.ringbuf_submit(e, 0);
+}
+
 int uretprobe__sync_return(struct pt_regs *ctx)
 {
 	__u32 tid = (__u32)bpf_get_current_pid_tgid();
@@ -902,6 +931,8 @@ int uretprobe__sync_return(struct pt_regs *ctx)
 		return 0;
 	__u64 now = bpf_ktime_get_ns();
 	__sync_fetch_and_add(&u->sync_ns, now - a.ts);
+	__sync_fetch_and_add(&u->syncs, 1);
+	hold_at_sync(&a.gk);
 	/* Racing writers may both store; the controller reads a maximum, and
 	 * takes a time older than the completion it last saw as "now". */
 	if (a.consumed > u->completed) {

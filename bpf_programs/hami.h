@@ -37,6 +37,11 @@
 #define HAMI_F_STOPPED    (1u << 0) /* we sent SIGSTOP; the controller must resume */
 #define HAMI_F_RESERVED   (1u << 1) /* the size was charged to a group by admission */
 #define HAMI_F_NOGROUP    (1u << 2) /* the process had no group yet: not admitted against a limit */
+#define HAMI_F_AT_SYNC    (1u << 3) /* HAMI_EV_THROTTLE: stopped at a synchronize's return (nothing queued) */
+
+/* Signals the probes send (x86-64 numbers; bpf_send_signal takes a number). */
+#define HAMI_SIGKILL 9
+#define HAMI_SIGSTOP 19
 
 /* Deny actions (event aux for HAMI_EV_DENY), also the config's oom_action. */
 #define HAMI_ACT_OBSERVE      0
@@ -185,7 +190,10 @@ struct hami_smgrant {
 	__u32 checkpoint; /* learning: a synchronize's return (at most one per
 			   * HAMI_CHECKPOINT_NS) lowers granted to consumed, so
 			   * the next launch waits for the controller to apply
-			   * what that completion taught it; the only BPF write */
+			   * what that completion taught it */
+	__u64 hold_at_sync; /* nonzero: stop the process at its next synchronize's
+			     * return, when nothing it launched is left queued
+			     * (duty pacing); the stopping thread clears it */
 };
 
 /* sm_use value (key hami_gkey): changed only by BPF atomics. */
@@ -198,6 +206,7 @@ struct hami_smuse {
 			  * the host waiting for the GPU, not launching */
 	__u64 completed_ns; /* CLOCK_MONOTONIC when `completed` last advanced */
 	__u64 checkpoint_ns; /* CLOCK_MONOTONIC of the last checkpoint (sm_grant) */
+	__u64 syncs;     /* synchronize calls that returned */
 };
 
 /* sync_at: key __u32 tid -> what was launched when a synchronize call began. */

@@ -45,6 +45,7 @@ KIND_HANDLE = 1
 F_STOPPED = 1 << 0
 F_RESERVED = 1 << 1
 F_NOGROUP = 1 << 2
+F_AT_SYNC = 1 << 3
 
 ACT_OBSERVE = 0
 ACT_STOP_REWRITE = 1
@@ -180,13 +181,14 @@ class Config(ct.Structure):
 
 
 class SmGrant(ct.Structure):
-    _fields_ = [("granted", ct.c_uint64), ("limited", ct.c_uint32), ("checkpoint", ct.c_uint32)]
+    _fields_ = [("granted", ct.c_uint64), ("limited", ct.c_uint32), ("checkpoint", ct.c_uint32),
+                ("hold_at_sync", ct.c_uint64)]
 
 
 class SmUse(ct.Structure):
     _fields_ = [("consumed", ct.c_uint64), ("launches", ct.c_uint64), ("completed", ct.c_uint64),
                 ("sync_ns", ct.c_uint64), ("completed_ns", ct.c_uint64),
-                ("checkpoint_ns", ct.c_uint64)]
+                ("checkpoint_ns", ct.c_uint64), ("syncs", ct.c_uint64)]
 
 
 class SyncAt(ct.Structure):

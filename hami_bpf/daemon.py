@@ -30,8 +30,9 @@ from .limits import (HAMI_DEFAULT_PRIORITY, EnvLimits, PolicyError, effective_li
                      visible_to_physical)
 from .metrics import observe_exit_latency
 from .slots import SlotTable
+from .sm import duty, guard
 from .throttle import (BUSY_S, LEARN_ALONE_S, TURN_CALIBRATE_S, UNLIMITED, Budget,
-                       Completions, Turn, completion_rate, gpu_bound, held_to_cap, learn_alone,
+                       Completions, Turn, completion_rate, correct_rate, gpu_bound, held_to_cap, learn_alone,
                        neighbours, next_edge, scale_rate, tick as budget_tick, turn_gains, turns)
 from .snapshot import (SCHEMA_VERSION, DeviceInfo, DeviceUsage, EventRecord, GroupInfo, ProcessInfo,
                        SlotInfo, Snapshot)
@@ -42,6 +43,7 @@ POLL_MS = 100
 THROTTLE_TICK_S = 0.05
 UNPACED_S = 2.0     # a neighbour that launched this recently and has no pace yet: wait
 HELD_TICK_S = 0.005
+DUTY_TICK_S = 0.01         # duty pacing asks for holds this promptly
 MAX_HOLD_S = 0.25          # no group is held longer than this, budget or not
 RESUME_MARGIN_S = 0.02
 THROTTLED_SHOWN_S = 1.0   # a group held back within this long shows as throttled
@@ -326,6 +328,11 @@ class Daemon:
         self.last_throttled: dict[str, float] = {}
         self._sm_unenforced: set[str] = set()
         self.sm_share: dict[tuple[int, int], float | None] = {}
+        # Groups that synchronize often are paced by time (sm.duty), the
+        # rest by the launch budget (self.budgets).
+        self.duty = duty.DutyPacer()
+        self.guard = guard.Guard()        # the launch budget checked against the GPU
+        self._duty_next: float | None = None
         self.events_log: collections.deque[EventRecord] = collections.deque(maxlen=EVENT_LOG_LEN)
         self._seq = 0
         self._log_lock = threading.Lock()
@@ -799,6 +806,8 @@ class Daemon:
         if not self.sm_caps:
             return POLL_MS
         wait = HELD_TICK_S if self.throttled else THROTTLE_TICK_S
+        if self._duty_next is not None:
+            wait = min(wait, DUTY_TICK_S)
         # Turns begin and end on time: a tick at every slot's edges.
         now = time.monotonic()
         edge = next_edge(self.turns.values(), now) if self.turns else None
@@ -1067,13 +1076,14 @@ class Daemon:
                                        or use.get(k, (0,))[0] > b.start_consumed)
                        for k, b in self.budgets.items()) or any(
             (g.index, dev) not in self.budgets for name, caps in self.sm_caps.items()
-            if (g := self.table.group(name)) is not None for dev in caps)
+            if (g := self.table.group(name)) is not None for dev in caps
+            if self.duty.mode((g.index, dev)) is not duty.Mode.DUTY)
         share = {}
         if learning:
             util = self.devices.utilization() if self.devices.has_utilization else {}
             known = {k: b for k, b in self.budgets.items() if not b.learning}
             done_rates = {}
-            for key, (_c, _n, completed, _s, done_ns) in use.items():
+            for key, (_c, _n, completed, _s, done_ns, _y) in use.items():
                 track = self._done.setdefault(key, Completions())
                 track.note(now, completed or None, done_ns / 1e9 if done_ns else None)
                 done_rates[key] = completion_rate(track, now)
@@ -1087,6 +1097,8 @@ class Daemon:
                                         frozenset(k for k in unpaced if k[1] == dev)))
         if self.cfg.sm_turns:
             self._take_turns(use)
+        paced = self._duty_step(now, use)
+        util_now: dict[int, float | None] | None = None
         for group, caps in list(self.sm_caps.items()):
             g = self.table.group(group)
             if g is None:
@@ -1094,11 +1106,15 @@ class Daemon:
             room = True
             for dev, cap in caps.items():
                 key = (g.index, dev)
+                if key in paced.keys and paced.keys[key].mode is duty.Mode.DUTY:
+                    room = room and g.index in paced.release
+                    continue
                 b = self.budgets.get(key)
                 if b is None:
                     b = self.budgets[key] = Budget(cap=cap, probe_s=self.probe_cost_s)
                 b.cap = cap
-                consumed, n_launch, completed, sync_ns, done_ns = use.get(key, (0, 0, 0, 0, 0))
+                consumed, n_launch, completed, sync_ns, done_ns, _syncs = use.get(
+                    key, (0, 0, 0, 0, 0, 0))
                 if key in holds:
                     # Held while another group learns here alone (or until its
                     # first launch here is its turn): nothing granted, nothing
@@ -1138,6 +1154,12 @@ class Daemon:
                                     + ("held to its cap again" if held else
                                        "may use what is idle (no busy group of higher or equal "
                                        "priority)"), group=group, device=dev, lending=not held)
+                if not b.learning and key not in self.turns and key not in self.lending \
+                        and self.devices.has_utilization:
+                    if util_now is None:
+                        util_now = util if learning else self.devices.utilization()
+                    self._guard(key, group, b, now, util_now.get(dev),
+                                held=group in self.throttled)
                 # No checkpoint for a group free to use what is idle: it is
                 # not held to anything the learning would apply.
                 self.probes.set_sm_grant(g.index, dev, granted, True,
@@ -1155,7 +1177,8 @@ class Daemon:
                               self.counters["holds_cut_short"], self.counters["throttle_episodes"])
             held_for = now - self.throttle_since.get(group, now)
             if group in self.throttled and (room or held_for > MAX_HOLD_S):
-                if not room and not any(k[0] == g.index and use.get(k, (0,))[0] for k in holds):
+                if g.index in paced.cut_short or not room and not any(
+                        k[0] == g.index and use.get(k, (0,))[0] for k in holds):
                     # A hold must never outlive one refill period: whatever the
                     # budget says, the group runs again (and is counted).
                     self.counters["holds_cut_short"] += 1
@@ -1164,6 +1187,62 @@ class Daemon:
                 self.last_throttled[group] = now
         if self.turns and not learning and self.devices.has_utilization:
             self._calibrate_turns(now)
+
+    def _guard(self, key: tuple[int, int], group: str, b: Budget, now: float,
+               util: float | None, held: bool) -> None:
+        """Check a budget-paced group's learned rate against the GPU (sm.guard)
+        and correct it: a group held while its device idles is loosened at once."""
+        shared = any(k[1] == key[1] and k != key and now - t <= BUSY_S
+                     for k, t in self._last_busy.items())
+        c = self.guard.observe(key, now=now, cap=b.cap, held=held, util=util, shared=shared)
+        if c is None:
+            return
+        correct_rate(b, c.gain)
+        self.counters[f"sm_corrections_{c.reason.value}"] += 1
+        self.record("throttle", f"group {group!r} device {key[1]}: device {c.util:.0f}% busy for a cap "
+                    f"of {c.cap:g}% while the launch budget held it: rate x{c.gain:.3g} "
+                    f"({c.reason.value}, from {c.source.value})", group=group, device=key[1],
+                    sm_correction=c.reason.value, gain=round(c.gain, 4), util=round(c.util, 1),
+                    cap=c.cap, source=c.source.value, rate=b.rate)
+
+    def _duty_step(self, now: float, use: dict) -> duty.Decision:
+        """Step duty pacing (sm.duty) for every capped (group, device) and
+        write what it asks of the groups it paces: a stop at the next
+        synchronize's return, or at the next launch where none came."""
+        caps, held = {}, {}
+        for name, per_dev in self.sm_caps.items():
+            g = self.table.group(name)
+            if g is None:
+                continue
+            for dev, cap in per_dev.items():
+                caps[(g.index, dev)] = cap
+            if name in self.throttled:
+                held[g.index] = self.throttle_since.get(name, now)
+        obs = duty.Observation(now=now, caps=caps, held=held, use={
+            k: duty.Use(consumed=v[0], syncs=v[5]) for k, v in use.items() if k in caps})
+        d = self.duty.step(obs)
+        names = self._group_names()
+        for key, mode in d.mode_changes:
+            name = names.get(key[0], str(key[0]))
+            self.counters[f"sm_mode_{mode.value}"] += 1
+            if mode is duty.Mode.DUTY:
+                self._forget_budget(key)
+                self.turns.pop(key, None)
+            self.record("throttle", f"group {name!r} device {key[1]}: paced by "
+                        + ("time, held at its synchronizes" if mode is duty.Mode.DUTY
+                           else "its launch budget (it synchronizes rarely)"),
+                        group=name, device=key[1], sm_mode=mode.value)
+        for key, kd in d.keys.items():
+            if kd.mode is not duty.Mode.DUTY:
+                continue
+            consumed = use.get(key, (0,))[0]
+            granted = consumed if kd.ask is duty.Ask.LAUNCH else consumed + UNLIMITED
+            self.probes.set_sm_grant(key[0], key[1], granted, True,
+                                     hold_at_sync=kd.ask is not duty.Ask.NONE)
+            self.sm_share[key] = None
+        self._duty_next = d.next_step if d.next_step is not None else (
+            now if any(kd.mode is duty.Mode.DUTY for kd in d.keys.values()) else None)
+        return d
 
     def _learn_alone(self, now: float, use: dict, prio: dict[int, int]) -> frozenset:
         """Let one group at a time learn its rate on each device while the
@@ -1341,6 +1420,7 @@ class Daemon:
         what the views show of it. Launch and completion history stay while
         the group does (neighbours are split by them)."""
         self.budgets.pop(key, None)
+        self.guard.forget(key)
         self.sm_share.pop(key, None)
         self._budget_logged.pop(key, None)
         self.lending.discard(key)
@@ -1358,6 +1438,8 @@ class Daemon:
             enforce.resume(pid)
             return
         group = view.group
+        if e.flags & abi.F_AT_SYNC:
+            self.counters["sm_holds_at_sync"] += 1
         held = self.throttled.setdefault(group, set())
         now = time.monotonic()
         self.last_throttled[group] = now
@@ -1471,6 +1553,8 @@ class Daemon:
                 # Everything kept per (group index, device): the index is reused.
                 for key in [k for k in self.budgets if k[0] == a.index]:
                     self._forget_budget(key)
+                self.duty.forget_group(a.index)
+                self.guard.forget_group(a.index)
                 for per_key in (self._prev_use, self._last_busy, self._first_busy, self._done):
                     for key in [k for k in per_key if k[0] == a.index]:
                         del per_key[key]

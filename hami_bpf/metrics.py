@@ -46,8 +46,22 @@ _COUNTERS = (
      "(and, while its group learns, for a few ms after a synchronize).", 1),
     ("hami_bpf_throttle_seconds_total", "throttle_ms",
      "Time processes spent held back by SM caps, in seconds.", 1e-3),
+    ("hami_bpf_sm_holds_cut_short_total", "holds_cut_short",
+     "SM holds ended by their time bound with the group's debt or budget unpaid "
+     "(the controller erred open).", 1),
     ("hami_bpf_reaped_total", "reaped",
      "Exited processes found by the /proc reaper because their exit event was lost.", 1),
+)
+
+# SM controller counters with a label: (metric, snapshot.counters key prefix,
+# help, label); the rest of the key is the label's value.
+_SM_LABELLED = (
+    ("hami_bpf_sm_corrections", "sm_corrections_",
+     "Launch-budget rates corrected against the device's utilization, by reason "
+     "(held_while_idle: the group was held while its device idled).", "reason"),
+    ("hami_bpf_sm_mode_changes", "sm_mode_",
+     "Capped groups moved between pacing by time at their synchronizes (duty) and "
+     "the launch budget (budget).", "mode"),
 )
 
 # Probe and handler failures: snapshot.counters key -> value of the `kind` label
@@ -224,6 +238,13 @@ class SnapshotCollector(Collector):
             for kind, v in kinds:
                 m.add_metric([kind], v)
             yield m
+        for name, prefix, doc, label in _SM_LABELLED:
+            vals = [(k[len(prefix):], v) for k, v in c.items() if k.startswith(prefix)]
+            if vals:
+                m = CounterMetricFamily(name, doc, labels=[label])
+                for lv, v in sorted(vals):
+                    m.add_metric([lv], v)
+                yield m
         h = _exit_latency(c)
         if h is not None:
             yield h

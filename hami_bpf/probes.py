@@ -512,11 +512,12 @@ class Probes:
         self._update("grp_lim", key, v, BPF_ANY)
 
     def set_sm_grant(self, group_index: int, device: int, granted: int, limited: bool,
-                     checkpoint: bool = False) -> None:
+                     checkpoint: bool = False, hold_at_sync: bool = False) -> None:
         """`checkpoint`: while learning, a synchronize's return spends the
-        grant (hami.h, hami_smgrant), so the next launch waits for a tick."""
+        grant (hami.h, hami_smgrant), so the next launch waits for a tick.
+        `hold_at_sync`: the group's next synchronize's return stops it."""
         v = abi.SmGrant(granted=granted, limited=1 if limited else 0,
-                        checkpoint=1 if checkpoint else 0)
+                        checkpoint=1 if checkpoint else 0, hold_at_sync=1 if hold_at_sync else 0)
         self._update("sm_grant", abi.GKey(group=group_index, device=device), v, BPF_ANY)
 
     def delete_sm_grant(self, group_index: int, device: int) -> None:
@@ -526,11 +527,13 @@ class Probes:
         except KeyError:
             pass
 
-    def sm_use(self) -> dict[tuple[int, int], tuple[int, int, int, int, int]]:
+    def sm_use(self) -> dict[tuple[int, int], tuple[int, int, int, int, int, int]]:
         """(group index, device) -> (cost launched, launches, cost known
         completed, nanoseconds its threads spent in synchronize calls,
-        CLOCK_MONOTONIC nanoseconds when `completed` last advanced)."""
-        return {(k.group, k.device): (v.consumed, v.launches, v.completed, v.sync_ns, v.completed_ns)
+        CLOCK_MONOTONIC nanoseconds when `completed` last advanced,
+        synchronize calls that returned)."""
+        return {(k.group, k.device): (v.consumed, v.launches, v.completed, v.sync_ns,
+                                      v.completed_ns, v.syncs)
                 for k, v in self.map["sm_use"].items()}
 
     def set_graph_cost(self, cost: int) -> None:

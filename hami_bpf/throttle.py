@@ -460,6 +460,13 @@ def scale_rate(b: Budget, gain: float) -> None:
     b.rate = max(MIN_RATE, b.cap / 100.0 * b.full_rate)
 
 
+def correct_rate(b: Budget, gain: float) -> None:
+    """A correction from the GPU itself (sm.guard): the learned full rate was
+    wrong by `gain`; turns' own calibration (turn_gain) is left as it is."""
+    b.full_rate *= gain
+    b.rate = max(MIN_RATE, b.cap / 100.0 * b.full_rate)
+
+
 def tick(b: Budget, *, now: float, consumed: int, launches: int = 0, completed: int | None = None,
          completed_at: float | None = None, sync_ns: int = 0,
          device: "DeviceView | None" = None, learn_s: float = LEARN_S,

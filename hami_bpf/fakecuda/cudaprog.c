@@ -214,16 +214,17 @@ static double now_s(void)
     return (double)t.tv_sec + t.tv_nsec / 1e9;
 }
 
-/* bench KIND GRID SECONDS SETTLE_MS: launch (KIND launch|graph, GRID blocks)
- * in windows of 250 ms, synchronizing at each window's end, as
+/* bench KIND GRID SECONDS SETTLE_MS [WINDOW_MS]: launch (KIND launch|graph,
+ * GRID blocks) in windows of WINDOW_MS (250), synchronizing at each window's end, as
  * bench/gpu/sm_workload.py does on the GPU; reply with the mean launch rate
- * over the windows that start after SETTLE_MS, the slowest such window, and
- * every window's rate. */
-static void do_bench(const char *kind, long long grid, long long seconds, long long settle_ms)
+ * over the windows that start after SETTLE_MS, the slowest such window, the
+ * launches over the time of those windows, and every window's rate. */
+static void do_bench(const char *kind, long long grid, long long seconds, long long settle_ms,
+                     long long window_ms)
 {
     CUfunction f = (CUfunction)g_dummy_kernel;
     int graph = !strcmp(kind, "graph");
-    double t_start = now_s(), sum = 0, mn = -1;
+    double t_start = now_s(), sum = 0, mn = -1, n_after = 0, t_after = 0;
     int counted = 0, nw = 0;
     char buf[4096];
     size_t off = 0;
@@ -232,7 +233,7 @@ static void do_bench(const char *kind, long long grid, long long seconds, long l
     while (!rc && now_s() - t_start < seconds) {
         double t0 = now_s(), t1;
         long long n = 0;
-        while (!rc && (t1 = now_s()) - t0 < 0.25) {
+        while (!rc && (t1 = now_s()) - t0 < window_ms / 1000.0) {
             rc = graph ? cuGraphLaunch((CUgraphExec)g_dummy_kernel, NULL)
                        : cuLaunchKernel(f, (unsigned)grid, 1, 1, 32, 1, 1, 0, NULL, NULL, NULL);
             n++;
@@ -247,12 +248,15 @@ static void do_bench(const char *kind, long long grid, long long seconds, long l
         if ((t0 - t_start) * 1000 >= settle_ms) {
             sum += r;
             counted++;
+            n_after += n;
+            t_after += t1 - t0;
             if (mn < 0 || r < mn)
                 mn = r;
         }
     }
-    reply("ok rc=%d steady=%.1f min=%.1f windows=%s", rc, counted ? sum / counted : 0.0,
-          mn < 0 ? 0.0 : mn, buf);
+    /* overall: launches over time after SETTLE_MS, where windows differ in length */
+    reply("ok rc=%d steady=%.1f min=%.1f overall=%.1f windows=%s", rc, counted ? sum / counted : 0.0,
+          mn < 0 ? 0.0 : mn, t_after > 0 ? n_after / t_after : 0.0, buf);
 }
 
 static void run_command(char *line);
@@ -523,12 +527,19 @@ static void run_command(char *line)
         INT_ARG(1, n, "launch N");
         do_launches(c, n);
     } else if (!strcmp(c, "bench")) {
-        NEED(4, "bench launch|graph GRID SECONDS SETTLE_MS");
-        long long grid = 0, secs = 0, settle = 0;
-        INT_ARG(2, grid, "bench launch|graph GRID SECONDS SETTLE_MS");
-        INT_ARG(3, secs, "bench launch|graph GRID SECONDS SETTLE_MS");
-        INT_ARG(4, settle, "bench launch|graph GRID SECONDS SETTLE_MS");
-        do_bench(argv[1], grid, secs, settle);
+        if (argc != 5 && argc != 6) {
+            reply("err usage: bench launch|graph GRID SECONDS SETTLE_MS [WINDOW_MS]");
+            goto out;
+        }
+        long long grid = 0, secs = 0, settle = 0, window = 250;
+        INT_ARG(2, grid, "bench launch|graph GRID SECONDS SETTLE_MS [WINDOW_MS]");
+        INT_ARG(3, secs, "bench launch|graph GRID SECONDS SETTLE_MS [WINDOW_MS]");
+        INT_ARG(4, settle, "bench launch|graph GRID SECONDS SETTLE_MS [WINDOW_MS]");
+        if (argc > 5)
+            INT_ARG(5, window, "bench launch|graph GRID SECONDS SETTLE_MS [WINDOW_MS]");
+        if (window < 1)
+            window = 1;
+        do_bench(argv[1], grid, secs, settle, window);
     } else if (!strcmp(c, "sync")) {
         reply("ok rc=%d", cuCtxSynchronize());
     } else if (!strcmp(c, "getproc")) {

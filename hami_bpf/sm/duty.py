@@ -128,6 +128,10 @@ class DutyPacer:
         for key in [k for k in self._keys if k[0] == group_index]:
             del self._keys[key]
 
+    def mode(self, key: tuple[int, int]) -> Mode | None:
+        k = self._keys.get(key)
+        return None if k is None else k.mode
+
     def debt(self, key: tuple[int, int]) -> float | None:
         k = self._keys.get(key)
         return None if k is None else k.debt

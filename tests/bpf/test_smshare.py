@@ -253,3 +253,32 @@ def test_learning_applies_before_a_deep_queue_refills(tmp_path, sim):
         assert abs(share - 50) <= TOLERANCE, f"cap 50 ran at {share:.1f}%"
     finally:
         finish_daemon(d)
+
+
+@pytest.mark.parametrize("cap", [25, 60])
+def test_a_group_that_synchronizes_often_is_paced_by_time(tmp_path, sim, cap):
+    # A step loop (a decode loop synchronizes once per token): a short launch
+    # queue (5 ms) and a synchronize every 20 ms, so the queue is empty at
+    # every synchronize's return. Duty pacing holds the group there for
+    # (100 - cap)% of its time: no price per block is learned, and the share
+    # follows the cap whatever the kernels cost.
+    fake = build(tmp_path / "lib")
+    d = Daemon(fake, extra=["--sm-limits"]).start()
+    try:
+        name = gname("steps")
+        p = gpu_proc(fake, sim, name, sm=cap, FAKECUDA_QUEUE_NS="5000000")
+        try:
+            r = p.cmd("bench launch 1000 8 3000 20", timeout=90)
+            assert r["rc"] == "0", r
+            share = 100.0 * float(r["overall"]) / FULL
+        finally:
+            p.close()
+        events = query(d.socket, "events", since=0)["events"]
+        modes = [e["data"].get("sm_mode") for e in events
+                 if e.get("data", {}).get("group") == name and "sm_mode" in e.get("data", {})]
+        counters = d.snapshot()["counters"]
+        assert modes and modes[0] == "duty", (modes, d.log()[-2000:])
+        assert counters.get("sm_holds_at_sync", 0) > 0, counters
+        assert abs(share - cap) <= TOLERANCE, f"cap {cap} ran at {share:.1f}%\n{d.log()[-2000:]}"
+    finally:
+        finish_daemon(d)

@@ -1,0 +1,126 @@
+"""The launch budget's check against the GPU itself: fail open. Pure.
+
+The launch budget (hami_bpf.throttle) prices work in grid blocks at a rate
+learned while the group ran free. A rate learned in one phase (cudnn's
+autotuning, a model's warm-up) can be wrong by orders of magnitude in the
+next. A group that the budget holds while its device sits idle shows such an
+error: it is kept under its cap by the estimate, not by the GPU. Every
+WINDOW_S the guard compares the device's utilization (NVML, the mean of the
+readings in the window) with the cap of a group the budget held in it, and
+scales the group's rate:
+
+- utilization under cap - IDLE_PTS (idle_pts()) while held: the rate was far too low.
+  Raised at once, by cap / utilization (at least x FAST_MIN, at most
+  x FAST_MAX), so a job never crawls for more than a few windows;
+- under cap - TRIM_PTS while held: raised by a small step (sqrt of the same
+  ratio, at most x TRIM_MAX);
+- over cap + TRIM_PTS while held, with no other group active on the device:
+  lowered, by the same ratio (at most / LOWER_MAX): a phase whose blocks
+  cost more than the learned ones.
+
+Utilization is the device's: next to other groups a reading over the cap
+says nothing about this group (no lowering then), a reading under it still
+bounds this group's part (raising stays right). Where NVML reports
+per-process utilization, the group's own part is used instead, and each
+correction says which source it came from.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+
+WINDOW_S = 1.0
+MIN_HELD = 0.1        # held this part of a window at least: the budget is what binds
+MIN_READINGS = 3
+IDLE_PTS = 10.0
+TRIM_PTS = 5.0
+FAST_MIN, FAST_MAX = 1.5, 8.0
+TRIM_MAX = 1.25
+LOWER_MAX = 1.25
+
+
+def idle_pts(cap: float) -> float:
+    """How far under its cap a held group's device must be to count as idle
+    (half the cap for caps of 20 and under, where 10 points is most of it)."""
+    return min(IDLE_PTS, cap / 2)
+
+
+class Reason(str, Enum):
+    HELD_WHILE_IDLE = "held_while_idle"   # far under the cap while held: raised at once
+    UNDER_CAP = "under_cap"               # a little under: raised a step
+    OVER_CAP = "over_cap"                 # over the cap alone on the device: lowered
+
+
+class Source(str, Enum):
+    DEVICE = "nvml_device"
+    PROCESS = "nvml_process"
+
+
+@dataclass(frozen=True)
+class Correction:
+    reason: Reason
+    gain: float
+    util: float
+    cap: float
+    source: Source
+
+
+@dataclass
+class _Window:
+    start: float
+    last: float
+    held_s: float = 0.0
+    util_sum: float = 0.0
+    readings: int = 0
+    shared: bool = False
+
+
+class Guard:
+    """One window per (group, device) paced by the launch budget."""
+
+    def __init__(self) -> None:
+        self._w: dict[tuple[int, int], _Window] = {}
+
+    def forget(self, key: tuple[int, int]) -> None:
+        self._w.pop(key, None)
+
+    def forget_group(self, group_index: int) -> None:
+        for key in [k for k in self._w if k[0] == group_index]:
+            del self._w[key]
+
+    def observe(self, key: tuple[int, int], *, now: float, cap: float, held: bool,
+                util: float | None, shared: bool,
+                source: Source = Source.DEVICE) -> Correction | None:
+        """One tick of a budget-paced group: `held` whether the budget holds
+        it now, `util` the utilization reading (None: none), `shared`
+        whether another group was active on the device. Returns the
+        correction to apply to its rate at the end of a window, if any."""
+        w = self._w.get(key)
+        if w is None:
+            self._w[key] = _Window(start=now, last=now)
+            return None
+        dt = max(0.0, now - w.last)
+        w.last = now
+        if held:
+            w.held_s += dt
+        if util is not None:
+            w.util_sum += util
+            w.readings += 1
+        w.shared = w.shared or shared
+        if now - w.start < WINDOW_S:
+            return None
+        self._w[key] = _Window(start=now, last=now)
+        span = now - w.start
+        if w.readings < MIN_READINGS or w.held_s < MIN_HELD * span:
+            return None
+        u = w.util_sum / w.readings
+        ratio = cap / max(u, 1.0)
+        if u < cap - idle_pts(cap):
+            return Correction(Reason.HELD_WHILE_IDLE, min(max(ratio, FAST_MIN), FAST_MAX),
+                              u, cap, source)
+        if u < cap - TRIM_PTS:
+            return Correction(Reason.UNDER_CAP, min(math.sqrt(ratio), TRIM_MAX), u, cap, source)
+        if u > cap + TRIM_PTS and not w.shared:
+            return Correction(Reason.OVER_CAP, max(ratio, 1 / LOWER_MAX), u, cap, source)
+        return None

@@ -1,0 +1,75 @@
+"""The launch budget's check against the GPU (sm.guard): fail open."""
+from __future__ import annotations
+
+from hypothesis import given, strategies as st
+
+from hami_bpf.sm import guard
+from hami_bpf.sm.guard import Guard, Reason
+
+
+def run_window(g: Guard, *, cap: float, util: float, held: bool = True, shared: bool = False,
+               start: float = 0.0, key=(1, 0)):
+    """Tick a window's worth (50 ms ticks); the correction at its end."""
+    out = None
+    t = start
+    while t <= start + guard.WINDOW_S + 0.051:
+        c = g.observe(key, now=t, cap=cap, held=held, util=util, shared=shared)
+        out = c or out
+        t += 0.05
+    return out
+
+
+def test_a_group_held_while_its_device_idles_is_loosened_at_once():
+    c = run_window(Guard(), cap=50, util=2.0)
+    assert c is not None and c.reason is Reason.HELD_WHILE_IDLE
+    assert c.gain == guard.FAST_MAX        # 50 / 2 = 25, bounded
+    assert c.source is guard.Source.DEVICE
+
+
+def test_a_little_under_the_cap_is_raised_a_step():
+    c = run_window(Guard(), cap=50, util=43.0)
+    assert c is not None and c.reason is Reason.UNDER_CAP
+    assert 1.0 < c.gain <= guard.TRIM_MAX
+
+
+def test_over_the_cap_alone_is_lowered_but_not_next_to_others():
+    c = run_window(Guard(), cap=50, util=70.0)
+    assert c is not None and c.reason is Reason.OVER_CAP and c.gain < 1.0
+    assert run_window(Guard(), cap=50, util=70.0, shared=True) is None
+
+
+def test_within_the_band_or_not_held_nothing_changes():
+    assert run_window(Guard(), cap=50, util=52.0) is None
+    assert run_window(Guard(), cap=50, util=5.0, held=False) is None
+
+
+def test_no_readings_no_correction():
+    assert run_window(Guard(), cap=50, util=None) is None
+
+
+@given(cap=st.floats(5, 95), util=st.floats(0, 100), shared=st.booleans())
+def test_never_lowers_a_group_under_its_cap_and_never_raises_one_over_it(cap, util, shared):
+    c = run_window(Guard(), cap=cap, util=util, shared=shared)
+    if c is None:
+        return
+    if c.gain < 1.0:
+        assert util > cap and not shared
+    else:
+        assert util < cap
+    assert 1 / guard.LOWER_MAX <= c.gain <= guard.FAST_MAX
+
+
+@given(utils=st.lists(st.floats(0, 100), min_size=1, max_size=30), cap=st.floats(5, 90))
+def test_a_crawling_group_is_raised_by_a_lot_every_window(utils, cap):
+    # Fail open: whatever came before, a window far under the cap while held
+    # raises by at least FAST_MIN.
+    g = Guard()
+    t = 0.0
+    for u in utils:
+        run_window(g, cap=cap, util=u, start=t)
+        t += guard.WINDOW_S + 0.1
+    # Two windows: the first may still hold a reading from before.
+    low = cap - guard.idle_pts(cap) - 1
+    c1 = run_window(g, cap=cap, util=low, start=t)
+    c2 = run_window(g, cap=cap, util=low, start=t + guard.WINDOW_S + 0.1)
+    assert c2 is not None and c2.gain >= guard.FAST_MIN, (c1, c2)
