@@ -23,8 +23,10 @@ ACTIVE_GRACE_S. Debt has a floor (an idle group banks at most BURST_S of
 running) and a ceiling (MAX_DEBT_S). Once debt reaches QUANTUM_S the group
 is asked to stop at its next synchronize's return (BPF, `hold_at_sync`); if
 none comes within FORCE_AFTER_S, at its next launch. A held group is released
-once its debts are paid, and after MAX_HOLD_S whatever they say: a hold
-never outlives that, so a wrong estimate can only let a group run more.
+once its debts are paid and no other paced group runs on its devices (their
+turns do not overlap: two processes time-slicing a GPU get less done than
+either alone), and after MAX_HOLD_S whatever they say: a hold never
+outlives that, so a wrong estimate can only let a group run more.
 
 Groups that synchronize rarely (below PACED_HZ) are not paced here: their
 work sits in a launch queue that a hold does not drain, and the launch
@@ -47,6 +49,7 @@ SYNC_WINDOW_S = 1.0    # synchronize rate measured over this long
 PACED_HZ = 5.0         # synchronizes per second at which a group is paced by time
 UNPACED_HZ = 2.0       # ... and below which it goes back to the launch budget
 MAX_STEP_S = 0.5       # a longer gap between steps (a stalled controller) counts as this
+DUTY_WAIT_S = 0.005    # a group waiting for another's turn to end looks again this soon
 
 
 class Mode(str, Enum):
@@ -177,19 +180,30 @@ class DutyPacer:
                 k.asked_since = None
             decisions[key] = KeyDecision(k.mode, ask, k.debt)
 
+        # Devices where a paced group runs now: another paced group there
+        # waits for it to stop, so their turns do not overlap (two processes
+        # time-slicing a GPU get less done than either alone).
+        running = {key[1] for key, k in self._keys.items()
+                   if k.mode is Mode.DUTY and key[0] not in obs.held
+                   and now - k.last_active <= ACTIVE_GRACE_S}
         release, cut, next_step = set(), set(), None
-        for gi, since in obs.held.items():
-            mine = [k for key, k in self._keys.items() if key[0] == gi and k.mode is Mode.DUTY]
+        for gi, since in sorted(obs.held.items(), key=lambda kv: kv[1]):
+            mine = {key: k for key, k in self._keys.items()
+                    if key[0] == gi and k.mode is Mode.DUTY}
             if not mine:
                 continue    # held by the launch budget, or by someone else's rule
-            owed = max(k.debt for k in mine)
-            if owed <= 0:
+            owed = max(k.debt for k in mine.values())
+            devices = {key[1] for key in mine}
+            if now - since >= MAX_HOLD_S:
                 release.add(gi)
-            elif now - since >= MAX_HOLD_S:
+                if owed > 0 or devices & running:
+                    cut.add(gi)
+                running |= devices
+            elif owed <= 0 and not devices & running:
                 release.add(gi)
-                cut.add(gi)
+                running |= devices
             else:
-                due = now + min(owed, MAX_HOLD_S - (now - since))
+                due = now + min(max(owed, DUTY_WAIT_S), MAX_HOLD_S - (now - since))
                 next_step = due if next_step is None else min(next_step, due)
         return Decision(keys=decisions, release=frozenset(release), cut_short=frozenset(cut),
                         mode_changes=tuple(changes), next_step=next_step)

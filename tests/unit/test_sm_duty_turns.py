@@ -1,0 +1,67 @@
+"""Duty pacing of several groups on one device: their turns do not overlap."""
+from __future__ import annotations
+
+from hypothesis import given, settings, strategies as st
+
+from hami_bpf.sm import duty
+from hami_bpf.sm.duty import Ask, DutyPacer, Observation, Use
+
+DT = 0.002
+
+
+def simulate(caps: dict[tuple[int, int], float], seconds: float, idle: set[int] = frozenset()):
+    """Groups that are always active and stop at once when asked; returns
+    (running share per group, seconds two groups of one device ran at once,
+    longest hold)."""
+    p = DutyPacer()
+    t = 0.0
+    c = {k: 0 for k in caps}
+    held: dict[int, float] = {}
+    ran = {k: 0.0 for k in caps}
+    overlap = 0.0
+    longest = 0.0
+    for _ in range(int(seconds / DT)):
+        t += DT
+        running = [k for k in caps if k[0] not in held and k[0] not in idle]
+        for k in running:
+            c[k] += 1
+            ran[k] += DT
+        if len({k[1] for k in running}) < len(running):
+            overlap += DT
+        d = p.step(Observation(t, caps, {k: Use(c[k], c[k]) for k in caps}, dict(held)))
+        for g in d.release:
+            longest = max(longest, t - held.pop(g))
+        for k, kd in d.keys.items():
+            if kd.ask is not Ask.NONE and k[0] not in held:
+                held[k[0]] = t
+    return {k: 100 * v / t for k, v in ran.items()}, overlap, longest
+
+
+def test_two_groups_30_70_alternate_at_their_caps():
+    share, overlap, longest = simulate({(1, 0): 30, (2, 0): 70}, 20)
+    assert abs(share[(1, 0)] - 30) <= 3 and abs(share[(2, 0)] - 70) <= 3, share
+    # Only the first second, while neither is paced yet, runs side by side.
+    assert overlap <= duty.SYNC_WINDOW_S + 0.2, overlap
+    assert longest <= duty.MAX_HOLD_S + 2 * DT
+
+
+def test_an_idle_neighbour_does_not_hold_a_group_back():
+    share, _overlap, _ = simulate({(1, 0): 40, (2, 0): 40}, 10, idle={2})
+    assert abs(share[(1, 0)] - 40) <= 3, share
+
+
+def test_groups_on_different_devices_run_at_once():
+    share, overlap, _ = simulate({(1, 0): 50, (2, 1): 50}, 10)
+    assert overlap == 0.0
+    assert all(abs(v - 50) <= 3 for v in share.values()), share
+
+
+@settings(max_examples=40, deadline=None)
+@given(a=st.integers(10, 90), b=st.integers(10, 90))
+def test_each_of_two_groups_gets_at_least_its_cap_less_a_little_when_they_fit(a, b):
+    # Caps that add to 100 or less fit the device; each runs at its cap.
+    if a + b > 100:
+        b = 100 - a
+    share, _overlap, longest = simulate({(1, 0): a, (2, 0): b}, 12)
+    assert share[(1, 0)] >= a - 4 and share[(2, 0)] >= b - 4, share
+    assert longest <= duty.MAX_HOLD_S + 2 * DT
