@@ -2,6 +2,7 @@
 """Record what a real workload asks of libcuda, for offline replay tests.
 
   record.py --lib LIBCUDA --out DIR [--seconds 10] WORKLOAD...
+  record.py --lib LIBCUDA --out DIR --cmd "PROGRAM ARGS" NAME
 
 Needs bcc (bench/gpu/prelude.sh brings it) and root; no hami-bpf daemon. One
 small uprobe program of its own, compiled once, filtered in BPF to the
@@ -44,6 +45,7 @@ import ctypes
 import gzip
 import json
 import os
+import shlex
 import subprocess
 import sys
 import threading
@@ -252,8 +254,8 @@ class Recorder:
                 a[1] += cost
                 a[2] += graphs
 
-    def record(self, w: str, seconds: float, out_dir: str, nvml) -> dict:
-        argv = [sys.executable, os.path.join(WDIR, f"{w}.py"), "--seconds", str(seconds)] + \
+    def record(self, w: str, seconds: float, out_dir: str, nvml, cmd: list[str] | None = None) -> dict:
+        argv = cmd or [sys.executable, os.path.join(WDIR, f"{w}.py"), "--seconds", str(seconds)] + \
             os.environ.get(f"ARGS_{w}", "").split()
         self.bins.clear()
         self.sync_at.clear()
@@ -315,7 +317,7 @@ class Recorder:
                  "fn": [e.fn for e in evs], "rc": [e.rc for e in evs]}
         summary = next((o for o in reversed(lines) if o.get("summary")), None)
         header = {
-            "workload": w, "argv": argv[1:], "seconds": seconds, "lib": self.lib,
+            "workload": w, "argv": argv if cmd else argv[1:], "seconds": seconds, "lib": self.lib,
             "driver": nvml.driver if nvml else None, "gpu": nvml.name if nvml else None,
             "clock": "CLOCK_MONOTONIC", "t0_monotonic_ns": t0, "bin_ms": 1,
             "symbols": {"attached": self.attached, "missing": self.missing}, "sync_fns": SYNC_FNS,
@@ -382,10 +384,15 @@ def main() -> int:
     ap.add_argument("--lib", required=True, help="the libcuda file to probe")
     ap.add_argument("--out", required=True)
     ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--cmd", default=None,
+                    help="record this command line (split as a shell would) instead, named by the one WORKLOAD")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
+    cmd = shlex.split(a.cmd) if a.cmd else None
+    if cmd and len(a.workloads) != 1:
+        ap.error("--cmd records one command: give one name")
     for w in a.workloads:
-        if not os.path.exists(os.path.join(WDIR, f"{w}.py")):
+        if not cmd and not os.path.exists(os.path.join(WDIR, f"{w}.py")):
             ap.error(f"no workload {w}")
     try:
         nvml = Nvml()
@@ -397,7 +404,7 @@ def main() -> int:
     print(json.dumps({"compiled_and_attached_s": round(time.monotonic() - t, 2), "attached": rec.attached,
                       "missing": rec.missing}), flush=True)
     for w in a.workloads:
-        h = rec.record(w, a.seconds, a.out, nvml)
+        h = rec.record(w, a.seconds, a.out, nvml, cmd)
         print(json.dumps({k: h[k] for k in ("workload", "exit", "lost", "totals", "bytes")}), flush=True)
     return 0
 
