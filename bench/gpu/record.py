@@ -237,11 +237,11 @@ class Recorder:
 
     def drain(self, agg: dict, older_than_ms: int | None) -> None:
         """Move bins (all, or those before older_than_ms) from the map into agg."""
-        take = []
+        take = {}                # (a key listed twice while probes insert: once)
         for k, v in self.bins.items():
             if older_than_ms is None or k.ms < older_than_ms:
-                take.append((k.ms, k.tid, v.n, v.cost, v.graphs, k))
-        for ms, tid, n, cost, graphs, k in take:
+                take[(k.ms, k.tid)] = (k.ms, k.tid, v.n, v.cost, v.graphs, k)
+        for ms, tid, n, cost, graphs, k in take.values():
             try:
                 del self.bins[k]
             except KeyError:

@@ -14,7 +14,7 @@ A workload that a pair or the service needs and that the single section did
 not measure gets its own uncapped reference first.
 
 Environment: WORKLOADS, CAPS, PAIRS, SPLITS, SUITE_SECONDS (timed loop per run,
-default 12), SERVICE_CAP, QUICK=1 (caps 50 only, one pair at 30:70),
+default 11), SERVICE_CAP, QUICK=1 (caps 50 only, one pair at 30:70),
 ARGS_<workload> (extra arguments, e.g. ARGS_cnn_train="--arch resnet18"),
 PIN=0 (no CPU pinning).
 
@@ -407,12 +407,12 @@ def main() -> int:
                     help="seconds; runs that would end later are skipped")
     ap.add_argument("--setup-limit", type=float, default=float(os.environ.get("SETUP_LIMIT", "60")))
     ap.add_argument("--exit-grace", type=float, default=float(os.environ.get("EXIT_GRACE", "25")))
-    ap.add_argument("--per-run-overhead", type=float, default=float(os.environ.get("RUN_OVERHEAD", "4")),
+    ap.add_argument("--per-run-overhead", type=float, default=float(os.environ.get("RUN_OVERHEAD", "4.5")),
                     help="seconds a run takes beyond its timed loop, for the estimate")
     ap.add_argument("--churn-max", type=int, default=3, help="churners alive at once")
     a = ap.parse_args()
     quick = os.environ.get("QUICK", "0") not in ("", "0")
-    a.seconds = float(os.environ.get("SUITE_SECONDS", "12"))
+    a.seconds = float(os.environ.get("SUITE_SECONDS", "11"))
     a.workloads = words("WORKLOADS", " ".join(ALL))
     a.caps = [int(c) for c in words("CAPS", "50" if quick else "25 50 75")]
     a.pairs = words("PAIRS", "cnn_train:llm_decode" if quick else "cnn_train:llm_decode llm_prefill:cnn_train")

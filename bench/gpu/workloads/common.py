@@ -35,15 +35,19 @@ def parser(doc: str) -> argparse.ArgumentParser:
                     help="wait for DIR/go before the GPU is touched, create DIR/ready after the "
                          "warm-up and wait for DIR/start before the timed loop")
     ap.add_argument("--wait-limit", type=float, default=900.0,
-                    help="give up (exit 3) after this long waiting for go or start")
+                    help="give up (exit 3) after this long waiting for go or start, or "
+                         "once the parent has gone")
     return ap
+
+
+PARENT = os.getppid()
 
 
 def _wait_for(path: str, limit: float) -> None:
     end = time.monotonic() + limit
     while not os.path.exists(path):
-        if time.monotonic() > end:
-            print(json.dumps({"error": f"timed out waiting for {path}"}), flush=True)
+        if time.monotonic() > end or os.getppid() != PARENT:   # timed out, or orphaned
+            print(json.dumps({"error": f"gave up waiting for {path}"}), flush=True)
             sys.exit(3)
         time.sleep(0.01)
 
