@@ -34,6 +34,7 @@ from collections import defaultdict
 def load(path):
     series = defaultdict(list)        # (run, side) -> [line]
     meta, summaries, nvml = {}, {}, defaultdict(list)
+    suite = {}
     skipped, exits, churn, ends = [], [], {}, {}
     for raw in open(path):
         raw = raw.strip()
@@ -43,7 +44,9 @@ def load(path):
             o = json.loads(raw)
         except ValueError:
             continue
-        if o.get("nvml"):
+        if o.get("suite"):
+            suite = o
+        elif o.get("nvml"):
             if "run" in o:
                 nvml[o["run"]].append(o)
         elif "skipped" in o:
@@ -60,7 +63,7 @@ def load(path):
             series[(o["run"], o["side"])].append(o)
             meta[(o["run"], o["side"])] = {k: o.get(k) for k in ("run", "kind", "cap", "group", "side", "ref", "w",
                                                                    "unit")}
-    return series, meta, summaries, nvml, skipped, exits, churn, ends
+    return series, meta, summaries, nvml, skipped, exits, churn, ends, suite
 
 
 def phase_rates(lines, skip):
@@ -141,7 +144,8 @@ def main():
     ap.add_argument("--skip", type=float, default=5.0)
     ap.add_argument("--tol", type=float, default=5.0)
     a = ap.parse_args()
-    series, meta, summaries, nvml, skipped, exits, churn, ends = load(a.jsonl)
+    series, meta, summaries, nvml, skipped, exits, churn, ends, suite = load(a.jsonl)
+    run_s = suite.get("seconds", 1e9)
     ref_of = {}                       # reference label -> its lines (side a)
     for (run, side), m in meta.items():
         if m["kind"] == "ref":
@@ -153,7 +157,7 @@ def main():
         lines = series[key]
         ref_lines = ref_of.get(m["ref"]) if m["ref"] else lines
         res = analyze(lines, ref_lines or [], m["cap"], a.skip, a.tol)
-        util = [o["gpu"] for o in nvml.get(m["run"], []) if o.get("rt", 0) >= a.skip]
+        util = [o["gpu"] for o in nvml.get(m["run"], []) if a.skip <= o.get("rt", 0) <= run_s]
         summ = summaries.get(key, {})
         row = {**m, **res, "gpu_util": round(statistics.mean(util), 1) if util else None,
                "gpu_setup_s": summ.get("gpu_setup_s"), "import_s": summ.get("import_s")}
@@ -182,6 +186,10 @@ def main():
             notes.append(f"pair sum {pair_sum[r['run']]:.1f}%")
         if r.get("churners"):
             notes.append("churners " + " ".join(f"{k} {v}" for k, v in r["churners"].items()))
+        if r["kind"] == "service":
+            alone = [x for x in rows if x["kind"] == "cap" and x["w"] == r["w"] and x["cap"] == r["cap"]]
+            if alone and alone[0].get("ratio") is not None:
+                notes.append(f"alone at the same cap {alone[0]['ratio']:.1f}%")
         if r.get("gpu_setup_s") is not None:
             notes.append(f"set-up {r['gpu_setup_s']:.1f} s")
         ref_row = r["kind"] == "ref"

@@ -15,7 +15,7 @@ import time
 
 PTX = b"""
 .version 7.0
-.target sm_50
+.target sm_75
 .address_size 64
 .visible .entry noop()
 {
