@@ -316,13 +316,20 @@ class Recorder:
                  "t_return_us": [round((e.t_return - t0) / 1000) for e in evs],
                  "fn": [e.fn for e in evs], "rc": [e.rc for e in evs]}
         summary = next((o for o in reversed(lines) if o.get("summary")), None)
+        dur_us = (time.monotonic_ns() - t0) / 1000
+        # NVML documents its sample timestamps as "CPU timestamp in microseconds";
+        # taken as CLOCK_REALTIME, they must fall within the recording.
+        plausible = bool(nv["t_us"]) and all(-5e6 <= t <= dur_us + 5e6 for t in nv["t_us"][-5:])
         header = {
             "workload": w, "argv": argv if cmd else argv[1:], "seconds": seconds, "lib": self.lib,
             "driver": nvml.driver if nvml else None, "gpu": nvml.name if nvml else None,
             "clock": "CLOCK_MONOTONIC", "t0_monotonic_ns": t0, "bin_ms": 1,
             "symbols": {"attached": self.attached, "missing": self.missing}, "sync_fns": SYNC_FNS,
             "lost": {"launch_bins": lost[0], "syncs": lost[1], "sync_enter": lost[2]},
-            "nvml_realtime_offset_us": rt_off_us, "exit": child.returncode,
+            "nvml_realtime_offset_us": rt_off_us,
+            "nvml_clock": ("CLOCK_REALTIME (checked: samples fall within the recording)" if plausible
+                           else "unknown: nvml.t_us may be meaningless, see nvml.ts_raw"),
+            "exit": child.returncode,
             "workload_summary": summary,
             "totals": {"launches": sum(launches["n"]), "cost": sum(launches["cost"]),
                        "graphs": sum(launches["graphs"]), "syncs": len(evs), "threads": len(set(launches["tid"])),
