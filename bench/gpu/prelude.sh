@@ -1,9 +1,9 @@
 # Sourced by every bench/gpu/*.sh on the device machine: $OUT, bcc from the
-# carried .deb files (carry .debs and .device), the real libcuda in $LIB, the
+# carried .deb files (carry .debs: bench/gpu/bcc/fetch-bcc-debs.sh), the real libcuda in $LIB, the
 # CLI from this checkout in $H, and start_daemon/stop_daemon helpers.
 set -u
 OUT=${OUT:-$PWD/bench-out}; mkdir -p "$OUT"
-bash .device/setup-bcc.sh .debs > "$OUT/setup.log" 2>&1 || { cat "$OUT/setup.log"; exit 1; }
+bash bench/gpu/bcc/setup-bcc.sh .debs > "$OUT/setup.log" 2>&1 || { cat "$OUT/setup.log"; exit 1; }
 . /tmp/bccroot/env.sh
 LIB=$(ls /usr/local/nvidia/lib64/libcuda.so.*.* 2>/dev/null | head -1)
 [ -n "$LIB" ] || LIB=$(ldconfig -p | awk '/libcuda.so.1 /{print $NF; exit}')
