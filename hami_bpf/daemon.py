@@ -1154,6 +1154,8 @@ class Daemon:
                                     + ("held to its cap again" if held else
                                        "may use what is idle (no busy group of higher or equal "
                                        "priority)"), group=group, device=dev, lending=not held)
+                if b.learning and learning and group not in self.throttled:
+                    self.guard.reference(key, util.get(dev))
                 if not b.learning and key not in self.turns and key not in self.lending \
                         and self.devices.has_utilization:
                     if util_now is None:
@@ -1199,10 +1201,11 @@ class Daemon:
             return
         correct_rate(b, c.gain)
         self.counters[f"sm_corrections_{c.reason.value}"] += 1
-        self.record("throttle", f"group {group!r} device {key[1]}: device {c.util:.0f}% busy for a cap "
-                    f"of {c.cap:g}% while the launch budget held it: rate x{c.gain:.3g} "
-                    f"({c.reason.value}, from {c.source.value})", group=group, device=key[1],
-                    sm_correction=c.reason.value, gain=round(c.gain, 4), util=round(c.util, 1),
+        self.record("throttle", f"group {group!r} device {key[1]}: device {c.util:.0f}% busy where "
+                    f"its cap of {c.cap:g}% allows {c.target:.0f}%, while the launch budget held "
+                    f"it: rate x{c.gain:.3g} ({c.reason.value}, from {c.source.value})",
+                    group=group, device=key[1], sm_correction=c.reason.value,
+                    gain=round(c.gain, 4), util=round(c.util, 1), target=round(c.target, 1),
                     cap=c.cap, source=c.source.value, rate=b.rate)
 
     def _duty_step(self, now: float, use: dict) -> duty.Decision:

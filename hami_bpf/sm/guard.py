@@ -6,19 +6,23 @@ autotuning, a model's warm-up) can be wrong by orders of magnitude in the
 next. A group that the budget holds while its device sits idle shows such an
 error: it is kept under its cap by the estimate, not by the GPU. Every
 WINDOW_S the guard compares the device's utilization (NVML, the mean of the
-readings in the window) with the cap of a group the budget held in it, and
-scales the group's rate:
+readings in the window) with what the cap allows the group, and scales the
+group's rate. What the cap allows (its target) is cap% of what the group
+kept the device busy while it ran free (its reference, read while its budget
+learned; 100% where none was read): a loop that left the GPU idle a third of
+the time uncapped does its cap's share of work at a third less utilization.
+Against that target, for a group the budget held in the window:
 
-- utilization under cap - IDLE_PTS (idle_pts()) while held: the rate was far too low.
-  Raised at once, by cap / utilization (at least x FAST_MIN, at most
+- utilization under target - IDLE_PTS (idle_pts()): the rate was far too
+  low. Raised at once, by target / utilization (at least x FAST_MIN, at most
   x FAST_MAX), so a job never crawls for more than a few windows;
-- under cap - TRIM_PTS while held: raised by a small step (sqrt of the same
-  ratio, at most x TRIM_MAX);
-- over cap + TRIM_PTS while held, with no other group active on the device:
+- under target - TRIM_PTS: raised by a small step (sqrt of the same ratio,
+  at most x TRIM_MAX);
+- over target + TRIM_PTS, with no other group active on the device:
   lowered, by the same ratio (at most / LOWER_MAX): a phase whose blocks
   cost more than the learned ones.
 
-Utilization is the device's: next to other groups a reading over the cap
+Utilization is the device's: next to other groups a reading over the target
 says nothing about this group (no lowering then), a reading under it still
 bounds this group's part (raising stays right). Where NVML reports
 per-process utilization, the group's own part is used instead, and each
@@ -62,6 +66,7 @@ class Correction:
     reason: Reason
     gain: float
     util: float
+    target: float          # utilization the cap allows the group (percent)
     cap: float
     source: Source
 
@@ -81,13 +86,29 @@ class Guard:
 
     def __init__(self) -> None:
         self._w: dict[tuple[int, int], _Window] = {}
+        self._ref: dict[tuple[int, int], tuple[float, int]] = {}   # (sum, readings) running free
 
     def forget(self, key: tuple[int, int]) -> None:
         self._w.pop(key, None)
+        self._ref.pop(key, None)
 
     def forget_group(self, group_index: int) -> None:
         for key in [k for k in self._w if k[0] == group_index]:
             del self._w[key]
+        for key in [k for k in self._ref if k[0] == group_index]:
+            del self._ref[key]
+
+    def reference(self, key: tuple[int, int], util: float | None) -> None:
+        """A reading while the group runs free (its budget learning)."""
+        if util is not None:
+            total, n = self._ref.get(key, (0.0, 0))
+            self._ref[key] = (total + util, n + 1)
+
+    def target(self, key: tuple[int, int], cap: float) -> float:
+        """Utilization the cap allows the group: cap% of its reference."""
+        total, n = self._ref.get(key, (0.0, 0))
+        ref = total / n if n >= MIN_READINGS else 100.0
+        return cap * min(max(ref, 1.0), 100.0) / 100.0
 
     def observe(self, key: tuple[int, int], *, now: float, cap: float, held: bool,
                 util: float | None, shared: bool,
@@ -115,12 +136,13 @@ class Guard:
         if w.readings < MIN_READINGS or w.held_s < MIN_HELD * span:
             return None
         u = w.util_sum / w.readings
-        ratio = cap / max(u, 1.0)
-        if u < cap - idle_pts(cap):
+        t = self.target(key, cap)
+        ratio = t / max(u, 1.0)
+        if u < t - idle_pts(t):
             return Correction(Reason.HELD_WHILE_IDLE, min(max(ratio, FAST_MIN), FAST_MAX),
-                              u, cap, source)
-        if u < cap - TRIM_PTS:
-            return Correction(Reason.UNDER_CAP, min(math.sqrt(ratio), TRIM_MAX), u, cap, source)
-        if u > cap + TRIM_PTS and not w.shared:
-            return Correction(Reason.OVER_CAP, max(ratio, 1 / LOWER_MAX), u, cap, source)
+                              u, t, cap, source)
+        if u < t - TRIM_PTS:
+            return Correction(Reason.UNDER_CAP, min(math.sqrt(ratio), TRIM_MAX), u, t, cap, source)
+        if u > t + TRIM_PTS and not w.shared:
+            return Correction(Reason.OVER_CAP, max(ratio, 1 / LOWER_MAX), u, t, cap, source)
         return None

@@ -43,6 +43,17 @@ def test_within_the_band_or_not_held_nothing_changes():
     assert run_window(Guard(), cap=50, util=5.0, held=False) is None
 
 
+def test_the_target_is_the_caps_share_of_what_the_group_used_running_free():
+    g = Guard()
+    for _ in range(10):
+        g.reference((1, 0), 60.0)           # a loop that kept the GPU 60% busy
+    assert g.target((1, 0), 50) == 30.0
+    assert Guard().target((1, 0), 50) == 50.0   # no reference: the whole device
+    # 39% busy where 30% is allowed: lowered, not raised.
+    c = run_window(g, cap=50, util=39.0)
+    assert c is not None and c.reason is Reason.OVER_CAP and c.target == 30.0
+
+
 def test_no_readings_no_correction():
     assert run_window(Guard(), cap=50, util=None) is None
 
@@ -53,9 +64,9 @@ def test_never_lowers_a_group_under_its_cap_and_never_raises_one_over_it(cap, ut
     if c is None:
         return
     if c.gain < 1.0:
-        assert util > cap and not shared
+        assert util > c.target and not shared
     else:
-        assert util < cap
+        assert util < c.target
     assert 1 / guard.LOWER_MAX <= c.gain <= guard.FAST_MAX
 
 
