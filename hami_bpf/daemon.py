@@ -195,6 +195,7 @@ class Devices:
     uuid_to_index: dict[str, int] = field(default_factory=dict)
     nvml: bool = False
     sim: object | None = None     # fakecuda.sim.SimGpu: utilization of the simulated GPU
+    _no_proc_util: bool = False   # NVML refused per-process utilization once: not asked again
 
     @classmethod
     def discover(cls, simulated: bool) -> "Devices":
@@ -232,6 +233,29 @@ class Devices:
                     pynvml.nvmlDeviceGetHandleByIndex(i)).gpu)
             except Exception:
                 out[i] = None
+        return out
+
+    def process_utilization(self, dev: int) -> dict[int, float] | None:
+        """SM utilization per pid over the last second where NVML reports it
+        (bare-metal hosts); None where it does not (virtual machines: the
+        driver lists no processes)."""
+        if not self.nvml or self._no_proc_util:
+            return None
+        import pynvml
+        try:
+            h = pynvml.nvmlDeviceGetHandleByIndex(dev)
+            since = int((time.time() - 1.0) * 1e6)
+            samples = pynvml.nvmlDeviceGetProcessUtilization(h, since)
+        except Exception as e:
+            # NVML_ERROR_NOT_FOUND: no sample in the window (idle), not unsupported.
+            if getattr(e, "value", None) != getattr(pynvml, "NVML_ERROR_NOT_FOUND", -1):
+                self._no_proc_util = True
+                log.info("NVML per-process utilization unavailable (%s): device-level "
+                         "utilization is used", e)
+            return None
+        out: dict[int, float] = {}
+        for smp in samples:
+            out[int(smp.pid)] = max(out.get(int(smp.pid), 0.0), float(smp.smUtil))
         return out
 
     def infos(self) -> tuple[DeviceInfo, ...]:
@@ -1196,7 +1220,15 @@ class Daemon:
         and correct it: a group held while its device idles is loosened at once."""
         shared = any(k[1] == key[1] and k != key and now - t <= BUSY_S
                      for k, t in self._last_busy.items())
-        c = self.guard.observe(key, now=now, cap=b.cap, held=held, util=util, shared=shared)
+        source = guard.Source.DEVICE
+        per_pid = self.devices.process_utilization(key[1]) if self.devices.nvml else None
+        g = self.table.group(group)
+        if per_pid and g is not None:
+            # The group's own part: neighbours no longer blur the reading.
+            util = min(100.0, sum(per_pid.get(k.pid, 0.0) for k in g.slots))
+            shared, source = False, guard.Source.PROCESS
+        c = self.guard.observe(key, now=now, cap=b.cap, held=held, util=util, shared=shared,
+                               source=source)
         if c is None:
             return
         correct_rate(b, c.gain)
