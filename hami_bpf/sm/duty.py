@@ -149,10 +149,13 @@ class DutyPacer:
             if u.consumed != k.consumed or u.syncs != k.syncs:
                 k.last_active = now
             held = key[0] in obs.held
-            if held or now - k.last_active > ACTIVE_GRACE_S:
-                k.debt -= dt
+            # A hold that began after the last step: the group ran until then.
+            ran = min(max(obs.held[key[0]] - k.t, 0.0), dt) if held else dt
+            if now - k.last_active > ACTIVE_GRACE_S:
+                k.debt -= ran
             else:
-                k.debt += dt * k.owes_per_s()
+                k.debt += ran * k.owes_per_s()
+            k.debt -= dt - ran
             k.debt = min(max(k.debt, -BURST_S * k.owes_per_s()), MAX_DEBT_S)
             k.t, k.consumed, k.syncs = now, u.consumed, u.syncs
             k.sync_marks.append((now, u.syncs))
