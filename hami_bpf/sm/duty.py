@@ -24,7 +24,9 @@ running) and a ceiling (MAX_DEBT_S). Once debt reaches QUANTUM_S the group
 is asked to stop at its next synchronize's return (BPF, `hold_at_sync`); if
 none comes within FORCE_AFTER_S, at its next launch. A held group is released
 once its debts are paid, and after MAX_HOLD_S whatever they say: a hold
-never outlives that, so a wrong estimate can only let a group run more.
+never outlives that, so a wrong estimate can only let a group run more. A
+hold it asked for stays its to end when the group leaves DUTY mode or loses
+its cap while held (it is released then: its debts are forgiven).
 
 Groups that synchronize rarely (below PACED_HZ) are not paced here: their
 work sits in a launch queue that a hold does not drain, and the launch
@@ -123,10 +125,14 @@ class DutyPacer:
 
     def __init__(self) -> None:
         self._keys: dict[tuple[int, int], _Key] = {}
+        self._asked: set[int] = set()       # groups asked to stop at the last step
+        self._holding: set[int] = set()     # held groups whose hold this pacer asked for
 
     def forget_group(self, group_index: int) -> None:
         for key in [k for k in self._keys if k[0] == group_index]:
             del self._keys[key]
+        self._asked.discard(group_index)
+        self._holding.discard(group_index)
 
     def debt(self, key: tuple[int, int]) -> float | None:
         k = self._keys.get(key)
@@ -136,6 +142,9 @@ class DutyPacer:
         now = obs.now
         for key in [k for k in self._keys if k not in obs.caps]:
             del self._keys[key]
+        # A hold asked for here stays this pacer's to end even if the group
+        # leaves DUTY mode (or loses its cap) while held.
+        self._holding = {gi for gi in obs.held if gi in self._holding or gi in self._asked}
         decisions: dict[tuple[int, int], KeyDecision] = {}
         changes: list[tuple[tuple[int, int], Mode]] = []
         for key, cap in obs.caps.items():
@@ -176,12 +185,13 @@ class DutyPacer:
                 k.asked_since = None
             decisions[key] = KeyDecision(k.mode, ask, k.debt)
 
+        self._asked = {key[0] for key, d in decisions.items() if d.ask is not Ask.NONE}
         release, cut, next_step = set(), set(), None
         for gi, since in obs.held.items():
             mine = [k for key, k in self._keys.items() if key[0] == gi and k.mode is Mode.DUTY]
-            if not mine:
+            if not mine and gi not in self._holding:
                 continue    # held by the launch budget, or by someone else's rule
-            owed = max(k.debt for k in mine)
+            owed = max((k.debt for k in mine), default=0.0)
             if owed <= 0:
                 release.add(gi)
             elif now - since >= MAX_HOLD_S:
