@@ -28,6 +28,11 @@ never outlives that, so a wrong estimate can only let a group run more. A
 hold it asked for stays its to end when the group leaves DUTY mode or loses
 its cap while held (it is released then: its debts are forgiven).
 
+The synchronize rate that decides the mode is counted per second of running
+(held time left out): a group held three quarters of the time at cap 25
+synchronizes a quarter as often per second of wall time, which would hand it
+back to the launch budget and then, running freely, to this pacer again.
+
 Groups that synchronize rarely (below PACED_HZ) are not paced here: their
 work sits in a launch queue that a hold does not drain, and the launch
 budget (hami_bpf.throttle) paces them. `mode()` says which one applies.
@@ -45,7 +50,8 @@ MAX_HOLD_S = 0.25      # no hold lasts longer (the daemon's bound for every hold
 MAX_DEBT_S = 1.0       # debt kept at most: a long unsynchronized run is not repaid for seconds
 BURST_S = 0.05         # running time an idle group may bank
 ACTIVE_GRACE_S = 0.05  # launched or synchronized this recently: active on the device
-SYNC_WINDOW_S = 1.0    # synchronize rate measured over this long
+SYNC_WINDOW_S = 1.0    # synchronize rate measured over this long of running (held time left out)
+RATE_WALL_S = 5.0      # ... looking back this far at most
 PACED_HZ = 5.0         # synchronizes per second at which a group is paced by time
 UNPACED_HZ = 2.0       # ... and below which it goes back to the launch budget
 MAX_STEP_S = 0.5       # a longer gap between steps (a stalled controller) counts as this
@@ -103,6 +109,7 @@ class _Key:
     mode: Mode = Mode.BUDGET
     last_active: float = -1e9
     asked_since: float | None = None
+    held_s: float = 0.0     # time counted held, in all
     sync_marks: collections.deque = field(default_factory=collections.deque)
 
     def owes_per_s(self) -> float:
@@ -110,14 +117,20 @@ class _Key:
 
 
 def _sync_rate(k: _Key, now: float) -> float:
+    # Per second of running: a held group does not synchronize, and its rate
+    # over wall time would fall under UNPACED_HZ at low caps, handing it back
+    # to the launch budget, then to this pacer again once it ran freely.
     marks = k.sync_marks
-    while len(marks) > 1 and now - marks[1][0] >= SYNC_WINDOW_S:
+
+    def ran(m: tuple) -> float:
+        return (now - m[0]) - (k.held_s - m[2])
+    while len(marks) > 1 and (ran(marks[1]) >= SYNC_WINDOW_S
+                              or now - marks[1][0] >= RATE_WALL_S):
         marks.popleft()
     if not marks:
         return 0.0
-    t0, s0 = marks[0]
-    span = max(now - t0, SYNC_WINDOW_S / 2)
-    return (k.syncs - s0) / span
+    span = max(ran(marks[0]), SYNC_WINDOW_S / 2)
+    return (k.syncs - marks[0][1]) / span
 
 
 class DutyPacer:
@@ -152,7 +165,7 @@ class DutyPacer:
             k = self._keys.get(key)
             if k is None:
                 k = self._keys[key] = _Key(cap=cap, t=now, consumed=u.consumed, syncs=u.syncs)
-                k.sync_marks.append((now, u.syncs))
+                k.sync_marks.append((now, u.syncs, 0.0))
             k.cap = min(max(cap, 1.0), 99.0)
             dt = min(max(now - k.t, 0.0), MAX_STEP_S)
             if u.consumed != k.consumed or u.syncs != k.syncs:
@@ -165,9 +178,10 @@ class DutyPacer:
             else:
                 k.debt += ran * k.owes_per_s()
             k.debt -= dt - ran
+            k.held_s += dt - ran
             k.debt = min(max(k.debt, -BURST_S * k.owes_per_s()), MAX_DEBT_S)
             k.t, k.consumed, k.syncs = now, u.consumed, u.syncs
-            k.sync_marks.append((now, u.syncs))
+            k.sync_marks.append((now, u.syncs, k.held_s))
             rate = _sync_rate(k, now)
             mode = (Mode.DUTY if rate >= PACED_HZ else
                     Mode.BUDGET if rate < UNPACED_HZ else k.mode)

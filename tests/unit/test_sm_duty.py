@@ -308,31 +308,32 @@ def test_a_hold_it_asked_for_is_released_when_the_cap_goes():
     assert KEY[0] in d.release
 
 
-def test_a_hold_it_asked_for_is_released_when_the_group_leaves_duty_mode():
-    # Paced at cap 25 (held three quarters of the time), synchronizing at 100 Hz
-    # while it runs, then at 1 Hz: held, its rate falls under UNPACED_HZ, BUDGET
-    # mode, and the pacer must still end the hold it began.
+def test_the_rate_counts_running_time_so_a_held_group_stays_paced():
+    # A training loop that synchronizes every 150 ms it runs (6.7 Hz), paced at
+    # cap 25: held most of the time, it synchronizes 2-3 times a second of wall
+    # time, near UNPACED_HZ. Its rate per second of running stays 6.7 Hz: one
+    # switch to DUTY, none back.
     p = DutyPacer()
-    now, consumed, syncs, since = 0.0, 0, 0, None
+    now, consumed, syncs, since, ran = 0.0, 0, 0, None, 0.0
     p.step(obs(now, cap=25.0))
-    flipped_while_held = False
-    for i in range(1, 400):
+    changes, held_s = [], 0.0
+    for i in range(1, 3000):
         now = i * 0.01
         if since is None:
             consumed += 1
-            if now < 1.5 or i % 100 == 0:
-                syncs += 1
+            ran += 0.01
+            if ran >= 0.15 - 1e-9:
+                syncs, ran = syncs + 1, 0.0
+        else:
+            held_s += 0.01
         d = p.step(obs(now, consumed, syncs, cap=25.0, held_since=since))
-        k = d.keys[KEY]
-        if since is not None:
-            flipped_while_held |= k.mode is Mode.BUDGET
-            if now - since >= duty.MAX_HOLD_S - 1e-9:
-                assert KEY[0] in d.release
-            if KEY[0] in d.release:
-                since = None
-        elif k.ask is not Ask.NONE:
+        changes += [m for key, m in d.mode_changes if key == KEY]
+        if since is not None and KEY[0] in d.release:
+            since = None
+        elif since is None and d.keys[KEY].ask is not Ask.NONE:
             since = now
-    assert flipped_while_held
+    assert changes == [Mode.DUTY]
+    assert held_s / now > 0.5
 
 
 def test_a_hold_it_did_not_ask_for_is_not_its_to_end():
