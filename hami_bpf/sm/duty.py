@@ -55,6 +55,8 @@ RATE_WALL_S = 5.0      # ... looking back this far at most
 PACED_HZ = 5.0         # synchronizes per second at which a group is paced by time
 UNPACED_HZ = 2.0       # ... and below which it goes back to the launch budget
 MAX_STEP_S = 0.5       # a longer gap between steps (a stalled controller) counts as this
+DUE_EPS_S = 1e-6       # a debt or hold this close to its end has ended (a step at next_step
+                       # lands within rounding of it, on either side)
 
 
 class Mode(str, Enum):
@@ -206,9 +208,9 @@ class DutyPacer:
             if not mine and gi not in self._holding:
                 continue    # held by the launch budget, or by someone else's rule
             owed = max((k.debt for k in mine), default=0.0)
-            if owed <= 0:
+            if owed <= DUE_EPS_S:
                 release.add(gi)
-            elif now - since >= MAX_HOLD_S:
+            elif now - since >= MAX_HOLD_S - DUE_EPS_S:
                 release.add(gi)
                 cut.add(gi)
             else:

@@ -239,10 +239,10 @@ def test_back_to_budget_under_unpaced_hz_and_not_between():
 
 # -- plain cases -----------------------------------------------------------------------
 
-def paced(cap=50.0):
+def paced(cap=50.0, start=0.0):
     """A pacer whose group just switched to DUTY mode (no debt): (pacer, syncs, now)."""
     p = DutyPacer()
-    now, syncs = 0.0, 0
+    now, syncs = start, 0
     p.step(obs(now, cap=cap))
     while True:
         now += 0.01
@@ -343,3 +343,29 @@ def test_a_hold_it_did_not_ask_for_is_not_its_to_end():
     for i in range(1, 100):
         d = p.step(obs(i * 0.01, i * 100, 0, cap=50.0, held_since=0.005))
         assert d.release == frozenset()
+
+
+@given(start=st.floats(0.0, 1e7), cap=st.floats(5.0, 95.0), run=st.floats(0.05, 1.5),
+       at=st.floats(0.0, 0.01))
+@settings(max_examples=300, deadline=None)
+def test_stepped_at_next_step_a_hold_ends_when_due(start, cap, run, at):
+    # Monotonic clocks run to 1e7 s; a step at next_step lands within rounding
+    # of the debt's or MAX_HOLD_S's end, and the hold must end right there.
+    p, n, now = paced(cap=cap, start=start)
+    t_end = now + run
+    while now < t_end:
+        now += 0.01
+        n += 1
+        p.step(obs(now, n, n, cap=cap))
+    since = now + at
+    owed = p.debt(KEY)
+    d = p.step(obs(since, n, n, cap=cap, held_since=since))
+    steps = 0
+    while KEY[0] not in d.release:
+        assert d.next_step is not None and d.next_step > now
+        now = d.next_step
+        d = p.step(obs(now, n, n, cap=cap, held_since=since))
+        steps += 1
+        assert steps <= 1, (owed, now - since)
+    assert now - since <= duty.MAX_HOLD_S + 1e-6
+    assert now - since >= min(max(owed, 0.0), duty.MAX_HOLD_S) - 1e-6
