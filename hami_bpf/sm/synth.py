@@ -18,6 +18,10 @@ enter and return times, and NVML utilization samples. The replay's fit
               synchronize (the loss's .item()) per step
   gpu_bound   1 ms kernels launched as fast as the queue takes them, never
               synchronized
+  train_slow  a GPU-bound training loop of 150 ms steps, a synchronize per step
+  phased      decode (3 s), a GPU-bound stretch without a synchronize (1.5 s),
+              prefill-like long kernels with a synchronize every ~0.3 s (1.5 s),
+              and again
 """
 from __future__ import annotations
 
@@ -137,4 +141,42 @@ def gpu_bound(seconds: float = 8.0, seed: int = 3) -> dict:
     return g.recording("gpu_bound")
 
 
-WORKLOADS = {"decode": decode, "cnn_train": cnn_train, "gpu_bound": gpu_bound}
+def train_slow(seconds: float = 12.0, seed: int = 4, step_s: float = 0.15) -> dict:
+    g = _Gpu(seed)
+    rng = g.rng
+    while g.t < seconds:
+        for _ in range(int(step_s / 16e-6)):
+            g.host(rng.gauss(8e-6, 1e-6))
+            g.launch(1, 512, rng.uniform(14e-6, 18e-6))
+        g.sync(1)
+        g.host(rng.gauss(2e-3, 0.2e-3))
+    return g.recording("train_slow")
+
+
+def phased(seconds: float = 14.0, seed: int = 5) -> dict:
+    g = _Gpu(seed)
+    rng = g.rng
+    while g.t < seconds:
+        until = g.t + 3.0
+        while g.t < until:                     # decode
+            for _ in range(300):
+                g.host(rng.gauss(18e-6, 3e-6))
+                g.launch(1, 132, rng.uniform(15e-6, 25e-6))
+            g.sync(1)
+            g.host(rng.gauss(0.8e-3, 0.1e-3))
+        until = g.t + 1.5
+        while g.t < until:                     # a GPU-bound stretch, no synchronize
+            g.host(rng.uniform(5e-6, 15e-6))
+            g.launch(1, 1000, rng.uniform(0.95e-3, 1.05e-3))
+        g.sync(1, "cuCtxSynchronize")
+        until = g.t + 1.5
+        while g.t < until:                     # prefill: long kernels, ~3 synchronizes a second
+            for _ in range(30):
+                g.host(rng.gauss(20e-6, 3e-6))
+                g.launch(1, 4096, rng.uniform(8e-3, 12e-3))
+            g.sync(1)
+    return g.recording("phased")
+
+
+WORKLOADS = {"decode": decode, "cnn_train": cnn_train, "gpu_bound": gpu_bound,
+             "train_slow": train_slow, "phased": phased}
