@@ -19,7 +19,8 @@ The books, per (group index, device):
   debt += dt x (100 - cap) / cap   while the group runs and is active there
   debt -= dt                       while it is held, or idle there
 A group is active on a device while it launched or synchronized there within
-ACTIVE_GRACE_S. Debt has a floor (an idle group banks at most BURST_S of
+ACTIVE_GRACE_S, or one of its threads is inside a synchronize call there (its
+work is on the GPU: a step of long kernels waits longer than the grace). Debt has a floor (an idle group banks at most BURST_S of
 running) and a ceiling (MAX_DEBT_S). Once debt reaches QUANTUM_S the group
 is asked to stop at its next synchronize's return (BPF, `hold_at_sync`); if
 none comes within FORCE_AFTER_S, at its next launch. A held group is released
@@ -75,6 +76,7 @@ class Use:
     """What the probes counted for one (group, device): sm_use."""
     consumed: int       # cost units launched in total
     syncs: int          # synchronize calls that returned
+    waiting: int = 0    # threads inside a synchronize call now (sync_at entries)
 
 
 @dataclass(frozen=True)
@@ -170,7 +172,7 @@ class DutyPacer:
                 k.sync_marks.append((now, u.syncs, 0.0))
             k.cap = min(max(cap, 1.0), 99.0)
             dt = min(max(now - k.t, 0.0), MAX_STEP_S)
-            if u.consumed != k.consumed or u.syncs != k.syncs:
+            if u.consumed != k.consumed or u.syncs != k.syncs or u.waiting > 0:
                 k.last_active = now
             held = key[0] in obs.held
             # A hold that began after the last step: the group ran until then.

@@ -369,3 +369,19 @@ def test_stepped_at_next_step_a_hold_ends_when_due(start, cap, run, at):
         assert steps <= 1, (owed, now - since)
     assert now - since <= duty.MAX_HOLD_S + 1e-6
     assert now - since >= min(max(owed, 0.0), duty.MAX_HOLD_S) - 1e-6
+
+
+def test_a_group_waiting_in_a_synchronize_is_active():
+    # Launched 10 long kernels, then waits 150 ms for them: no counter moves,
+    # but its work is on the GPU and its running time owes.
+    for waiting, grows in ((1, True), (0, False)):
+        p, n, now = paced(cap=50.0)
+        before = p.debt(KEY)
+        for _ in range(15):
+            now += 0.01
+            k = p.step(Observation(now=now, caps={KEY: 50.0},
+                                   use={KEY: Use(n, n, waiting)}, held={})).keys[KEY]
+        if grows:
+            assert k.debt == pytest.approx(before + 0.15, abs=1e-9)
+        else:
+            assert k.debt < before + duty.ACTIVE_GRACE_S
