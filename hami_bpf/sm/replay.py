@@ -308,7 +308,8 @@ class Step:
 
 
 class Controller(Protocol):
-    def step(self, now: float, consumed: int, syncs: int, held_since: float | None) -> Step: ...
+    def step(self, now: float, consumed: int, syncs: int, held_since: float | None,
+             waiting: int = 0) -> Step: ...
 
 
 class DutyController:
@@ -319,10 +320,11 @@ class DutyController:
         self.key = (group, device)
         self.pacer = duty.DutyPacer()
 
-    def step(self, now: float, consumed: int, syncs: int, held_since: float | None) -> Step:
+    def step(self, now: float, consumed: int, syncs: int, held_since: float | None,
+             waiting: int = 0) -> Step:
         g = self.key[0]
         obs = duty.Observation(now=now, caps={self.key: self.cap},
-                               use={self.key: duty.Use(consumed, syncs)},
+                               use={self.key: duty.Use(consumed, syncs, waiting)},
                                held={g: held_since} if held_since is not None else {})
         d = self.pacer.step(obs)
         k = d.keys[self.key]
@@ -441,7 +443,8 @@ def replay(wl: Workload, controller: Controller | None = None, *, cap: float | N
             if now >= next_tick - _EPS:
                 ticks += 1
                 next_tick = ticks * tick
-            s = controller.step(now, consumed, syncs, held_since)
+            s = controller.step(now, consumed, syncs, held_since,
+                                waiting=sum(1 for st in state if st == _WAIT))
             modes.append((now, s.mode))
             if last_mode is not None and s.mode != last_mode:
                 mode_changes += 1

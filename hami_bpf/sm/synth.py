@@ -19,6 +19,7 @@ enter and return times, and NVML utilization samples. The replay's fit
   gpu_bound   1 ms kernels launched as fast as the queue takes them, never
               synchronized
   train_slow  a GPU-bound training loop of 150 ms steps, a synchronize per step
+  prefill     10 kernels of ~10 ms, then a synchronize that waits ~100 ms for them
   phased      decode (3 s), a GPU-bound stretch without a synchronize (1.5 s),
               prefill-like long kernels with a synchronize every ~0.3 s (1.5 s),
               and again
@@ -153,6 +154,18 @@ def train_slow(seconds: float = 12.0, seed: int = 4, step_s: float = 0.15) -> di
     return g.recording("train_slow")
 
 
+def prefill(seconds: float = 12.0, seed: int = 6) -> dict:
+    g = _Gpu(seed)
+    rng = g.rng
+    while g.t < seconds:
+        for _ in range(10):
+            g.host(rng.gauss(20e-6, 3e-6))
+            g.launch(1, 4096, rng.uniform(9e-3, 11e-3))
+        g.sync(1)
+        g.host(rng.gauss(1e-3, 0.1e-3))
+    return g.recording("prefill")
+
+
 def phased(seconds: float = 14.0, seed: int = 5) -> dict:
     g = _Gpu(seed)
     rng = g.rng
@@ -179,4 +192,4 @@ def phased(seconds: float = 14.0, seed: int = 5) -> dict:
 
 
 WORKLOADS = {"decode": decode, "cnn_train": cnn_train, "gpu_bound": gpu_bound,
-             "train_slow": train_slow, "phased": phased}
+             "train_slow": train_slow, "prefill": prefill, "phased": phased}

@@ -37,6 +37,7 @@ EXPECT = {
     "cnn_train": "duty",     # a synchronize per ~50 ms step (autotuning first, in BUDGET)
     "gpu_bound": "budget",   # never synchronizes
     "train_slow": "duty",    # 150 ms steps: at cap 25, held at most MAX_HOLD_S a step (37.5%)
+    "prefill": "duty",       # waits ~100 ms in each synchronize: active while it waits
     "phased": "duty",        # decode, then stretches in BUDGET mode (free here): duty windows only
     "llm_decode": "duty",
 }
@@ -131,7 +132,7 @@ class Scripted:
         self.ask, self.ask_at, self.hold_s = ask, ask_at, hold_s
         self.seen = []
 
-    def step(self, now, consumed, syncs, held_since):
+    def step(self, now, consumed, syncs, held_since, waiting=0):
         self.seen.append((now, consumed, syncs, held_since))
         if held_since is not None:
             done = now - held_since >= self.hold_s - 1e-12
