@@ -46,6 +46,14 @@ The fit (GPU time per launch bin)
   host-bound loop the last bin before a synchronize can make the GPU look up
   to half a bin busier than it was; the replayed timing is unaffected.
 
+The controller
+  Stepped every TICK_S of virtual time and at the next_step it asks for,
+  with what the probes would have counted (cost launched, synchronize
+  returns, threads inside a synchronize now) and since when the process is
+  held. Ask SYNC: the process stops when one of its threads next returns
+  from a synchronize; ask LAUNCH: at its next launch (before it), or at a
+  synchronize's return if one comes first; release: it resumes at once.
+
 Progress and ratios
   Progress is the number of recorded actions completed (a launch bin issued,
   a synchronize returned). A throttled run's time t maps to the time the
@@ -370,7 +378,7 @@ def replay(wl: Workload, controller: Controller | None = None, *, cap: float | N
     mode_changes, last_mode, debt_max = 0, None, 0.0
     ticks = 0
     next_tick = 0.0 if controller is not None else math.inf
-    asked_at: float | None = None
+    step_at: float | None = None
     live = sum(1 for s in state if s != _DONE)
 
     def finish_action(i: int) -> None:
@@ -390,8 +398,8 @@ def replay(wl: Workload, controller: Controller | None = None, *, cap: float | N
 
     while live and (horizon is None or now < horizon):
         t_next = next_tick
-        if asked_at is not None:
-            t_next = min(t_next, asked_at)
+        if step_at is not None:
+            t_next = min(t_next, step_at)
         if held_since is None:
             for i in range(n):
                 if state[i] == _HOST:
@@ -438,7 +446,7 @@ def replay(wl: Workload, controller: Controller | None = None, *, cap: float | N
                     if ask is not duty.Ask.NONE:
                         stop("sync")
         step_now = controller is not None and (
-            now >= next_tick - _EPS or (asked_at is not None and now >= asked_at - _EPS))
+            now >= next_tick - _EPS or (step_at is not None and now >= step_at - _EPS))
         if step_now:
             if now >= next_tick - _EPS:
                 ticks += 1
@@ -454,7 +462,7 @@ def replay(wl: Workload, controller: Controller | None = None, *, cap: float | N
                 holds.append((held_since, now))
                 held_since = None
             ask = s.ask if held_since is None else duty.Ask.NONE
-            asked_at = None if s.next_step is None else max(s.next_step, now + MIN_STEP_S)
+            step_at = None if s.next_step is None else max(s.next_step, now + MIN_STEP_S)
     if held_since is not None:
         holds.append((held_since, now))
     return Run(workload=wl.name, cap=cap, end=now, finished=live == 0, done_at=done_at,
