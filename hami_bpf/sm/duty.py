@@ -20,8 +20,9 @@ The books, per (group index, device):
   debt -= dt                       while it is held, or idle there
 A group is active on a device while it launched or synchronized there within
 ACTIVE_GRACE_S, or one of its threads is inside a synchronize call there (its
-work is on the GPU: a step of long kernels waits longer than the grace). Debt has a floor (an idle group banks at most BURST_S of
-running) and a ceiling (MAX_DEBT_S). Once debt reaches QUANTUM_S the group
+work is on the GPU: a step of long kernels waits longer than the grace).
+Debt has a floor (an idle group banks at most BURST_S of running) and a
+ceiling (MAX_DEBT_S). Once debt reaches QUANTUM_S the group
 is asked to stop at its next synchronize's return (BPF, `hold_at_sync`); if
 none comes within FORCE_AFTER_S, at its next launch. A held group is released
 once its debts are paid, and after MAX_HOLD_S whatever they say: a hold

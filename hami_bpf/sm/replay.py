@@ -501,8 +501,9 @@ class Report:
                 f"mean {f(self.mean)}  duty-mean {f(self.duty_mean)}  "
                 f"in-duty {100 * self.duty_share:5.1f}%  holds {self.holds:5d} "
                 f"(sync {self.stops.get('sync', 0)}, launch {self.stops.get('launch', 0)}) "
-                f"longest {1000 * self.longest_hold:5.1f} ms  below-10 {self.below_longest_s:.0f} s "
-                f"(total {self.below_total_s:.0f} s)  windows [{' '.join(f(r).strip() for r in self.ratios)}]")
+                f"longest {1000 * self.longest_hold:5.1f} ms  "
+                f"below-10 {self.below_longest_s:.0f} s (total {self.below_total_s:.0f} s)  "
+                f"windows [{' '.join(f(r).strip() for r in self.ratios)}]")
 
 
 def equivalent_time(run: Run, base: Run):
