@@ -1253,8 +1253,10 @@ class Daemon:
                 caps[(g.index, dev)] = cap
             if name in self.throttled:
                 held[g.index] = self.throttle_since.get(name, now)
+        waiting = self.probes.sync_waiting() if caps else {}
         obs = duty.Observation(now=now, caps=caps, held=held, use={
-            k: duty.Use(consumed=v[0], syncs=v[5]) for k, v in use.items() if k in caps})
+            k: duty.Use(consumed=v[0], syncs=v[5], waiting=waiting.get(k, 0))
+            for k, v in use.items() if k in caps})
         d = self.duty.step(obs)
         names = self._group_names()
         for key, mode in d.mode_changes:

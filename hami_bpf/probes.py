@@ -536,6 +536,15 @@ class Probes:
                                       v.completed_ns, v.syncs)
                 for k, v in self.map["sm_use"].items()}
 
+    def sync_waiting(self) -> dict[tuple[int, int], int]:
+        """(group index, device) -> threads inside a synchronize call now
+        (sync_at; an exiting thread's entry goes with it)."""
+        out: dict[tuple[int, int], int] = {}
+        for v in self.map["sync_at"].values():
+            k = (v.gk.group, v.gk.device)
+            out[k] = out.get(k, 0) + 1
+        return out
+
     def set_graph_cost(self, cost: int) -> None:
         t = self.map["config"]
         v = t[ct.c_int(0)]

@@ -19,14 +19,23 @@ The books, per (group index, device):
   debt += dt x (100 - cap) / cap   while the group runs and is active there
   debt -= dt                       while it is held, or idle there
 A group is active on a device while it launched or synchronized there within
-ACTIVE_GRACE_S. Debt has a floor (an idle group banks at most BURST_S of
-running) and a ceiling (MAX_DEBT_S). Once debt reaches QUANTUM_S the group
+ACTIVE_GRACE_S, or one of its threads is inside a synchronize call there (its
+work is on the GPU: a step of long kernels waits longer than the grace).
+Debt has a floor (an idle group banks at most BURST_S of running) and a
+ceiling (MAX_DEBT_S). Once debt reaches QUANTUM_S the group
 is asked to stop at its next synchronize's return (BPF, `hold_at_sync`); if
 none comes within FORCE_AFTER_S, at its next launch. A held group is released
 once its debts are paid and no other paced group runs on its devices (their
 turns do not overlap: two processes time-slicing a GPU get less done than
 either alone), and after MAX_HOLD_S whatever they say: a hold never
-outlives that, so a wrong estimate can only let a group run more.
+outlives that, so a wrong estimate can only let a group run more. A hold it
+asked for stays its to end when the group leaves DUTY mode or loses its cap
+while held (it is released then: its debts are forgiven).
+
+The synchronize rate that decides the mode is counted per second of running
+(held time left out): a group held three quarters of the time at cap 25
+synchronizes a quarter as often per second of wall time, which would hand it
+back to the launch budget and then, running freely, to this pacer again.
 
 Groups that synchronize rarely (below PACED_HZ) are not paced here: their
 work sits in a launch queue that a hold does not drain, and the launch
@@ -45,11 +54,14 @@ MAX_HOLD_S = 0.25      # no hold lasts longer (the daemon's bound for every hold
 MAX_DEBT_S = 1.0       # debt kept at most: a long unsynchronized run is not repaid for seconds
 BURST_S = 0.1          # running time an idle (or waiting) group may bank
 ACTIVE_GRACE_S = 0.05  # launched or synchronized this recently: active on the device
-SYNC_WINDOW_S = 1.0    # synchronize rate measured over this long
+SYNC_WINDOW_S = 1.0    # synchronize rate measured over this long of running (held time left out)
+RATE_WALL_S = 5.0      # ... looking back this far at most
 PACED_HZ = 5.0         # synchronizes per second at which a group is paced by time
 UNPACED_HZ = 2.0       # ... and below which it goes back to the launch budget
 MAX_STEP_S = 0.5       # a longer gap between steps (a stalled controller) counts as this
 DUTY_WAIT_S = 0.005    # a group waiting for another's turn to end looks again this soon
+DUE_EPS_S = 1e-6       # a debt or hold this close to its end has ended (a step at next_step
+                       # lands within rounding of it, on either side)
 
 
 class Mode(str, Enum):
@@ -68,6 +80,7 @@ class Use:
     """What the probes counted for one (group, device): sm_use."""
     consumed: int       # cost units launched in total
     syncs: int          # synchronize calls that returned
+    waiting: int = 0    # threads inside a synchronize call now (sync_at entries)
 
 
 @dataclass(frozen=True)
@@ -104,6 +117,7 @@ class _Key:
     mode: Mode = Mode.BUDGET
     last_active: float = -1e9
     asked_since: float | None = None
+    held_s: float = 0.0     # time counted held, in all
     sync_marks: collections.deque = field(default_factory=collections.deque)
 
     def owes_per_s(self) -> float:
@@ -111,14 +125,20 @@ class _Key:
 
 
 def _sync_rate(k: _Key, now: float) -> float:
+    # Per second of running: a held group does not synchronize, and its rate
+    # over wall time would fall under UNPACED_HZ at low caps, handing it back
+    # to the launch budget, then to this pacer again once it ran freely.
     marks = k.sync_marks
-    while len(marks) > 1 and now - marks[1][0] >= SYNC_WINDOW_S:
+
+    def ran(m: tuple) -> float:
+        return (now - m[0]) - (k.held_s - m[2])
+    while len(marks) > 1 and (ran(marks[1]) >= SYNC_WINDOW_S
+                              or now - marks[1][0] >= RATE_WALL_S):
         marks.popleft()
     if not marks:
         return 0.0
-    t0, s0 = marks[0]
-    span = max(now - t0, SYNC_WINDOW_S / 2)
-    return (k.syncs - s0) / span
+    span = max(ran(marks[0]), SYNC_WINDOW_S / 2)
+    return (k.syncs - marks[0][1]) / span
 
 
 class DutyPacer:
@@ -126,10 +146,14 @@ class DutyPacer:
 
     def __init__(self) -> None:
         self._keys: dict[tuple[int, int], _Key] = {}
+        self._asked: set[int] = set()       # groups asked to stop at the last step
+        self._holding: set[int] = set()     # held groups whose hold this pacer asked for
 
     def forget_group(self, group_index: int) -> None:
         for key in [k for k in self._keys if k[0] == group_index]:
             del self._keys[key]
+        self._asked.discard(group_index)
+        self._holding.discard(group_index)
 
     def mode(self, key: tuple[int, int]) -> Mode | None:
         k = self._keys.get(key)
@@ -143,6 +167,9 @@ class DutyPacer:
         now = obs.now
         for key in [k for k in self._keys if k not in obs.caps]:
             del self._keys[key]
+        # A hold asked for here stays this pacer's to end even if the group
+        # leaves DUTY mode (or loses its cap) while held.
+        self._holding = {gi for gi in obs.held if gi in self._holding or gi in self._asked}
         decisions: dict[tuple[int, int], KeyDecision] = {}
         changes: list[tuple[tuple[int, int], Mode]] = []
         for key, cap in obs.caps.items():
@@ -150,19 +177,23 @@ class DutyPacer:
             k = self._keys.get(key)
             if k is None:
                 k = self._keys[key] = _Key(cap=cap, t=now, consumed=u.consumed, syncs=u.syncs)
-                k.sync_marks.append((now, u.syncs))
+                k.sync_marks.append((now, u.syncs, 0.0))
             k.cap = min(max(cap, 1.0), 99.0)
             dt = min(max(now - k.t, 0.0), MAX_STEP_S)
-            if u.consumed != k.consumed or u.syncs != k.syncs:
+            if u.consumed != k.consumed or u.syncs != k.syncs or u.waiting > 0:
                 k.last_active = now
             held = key[0] in obs.held
-            if held or now - k.last_active > ACTIVE_GRACE_S:
-                k.debt -= dt
+            # A hold that began after the last step: the group ran until then.
+            ran = min(max(obs.held[key[0]] - k.t, 0.0), dt) if held else dt
+            if now - k.last_active > ACTIVE_GRACE_S:
+                k.debt -= ran
             else:
-                k.debt += dt * k.owes_per_s()
+                k.debt += ran * k.owes_per_s()
+            k.debt -= dt - ran
+            k.held_s += dt - ran
             k.debt = min(max(k.debt, -BURST_S * k.owes_per_s()), MAX_DEBT_S)
             k.t, k.consumed, k.syncs = now, u.consumed, u.syncs
-            k.sync_marks.append((now, u.syncs))
+            k.sync_marks.append((now, u.syncs, k.held_s))
             rate = _sync_rate(k, now)
             mode = (Mode.DUTY if rate >= PACED_HZ else
                     Mode.BUDGET if rate < UNPACED_HZ else k.mode)
@@ -180,6 +211,7 @@ class DutyPacer:
                 k.asked_since = None
             decisions[key] = KeyDecision(k.mode, ask, k.debt)
 
+        self._asked = {key[0] for key, d in decisions.items() if d.ask is not Ask.NONE}
         # Devices where a paced group runs now: another paced group there
         # waits for it to stop, so their turns do not overlap (two processes
         # time-slicing a GPU get less done than either alone).
@@ -190,16 +222,16 @@ class DutyPacer:
         for gi, since in sorted(obs.held.items(), key=lambda kv: kv[1]):
             mine = {key: k for key, k in self._keys.items()
                     if key[0] == gi and k.mode is Mode.DUTY}
-            if not mine:
+            if not mine and gi not in self._holding:
                 continue    # held by the launch budget, or by someone else's rule
-            owed = max(k.debt for k in mine.values())
+            owed = max((k.debt for k in mine.values()), default=0.0)
             devices = {key[1] for key in mine}
-            if now - since >= MAX_HOLD_S:
+            if now - since >= MAX_HOLD_S - DUE_EPS_S:
                 release.add(gi)
-                if owed > 0 or devices & running:
+                if owed > DUE_EPS_S or devices & running:
                     cut.add(gi)
                 running |= devices
-            elif owed <= 0 and not devices & running:
+            elif owed <= DUE_EPS_S and not devices & running:
                 release.add(gi)
                 running |= devices
             else:

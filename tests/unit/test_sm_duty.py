@@ -1,0 +1,387 @@
+"""The duty pacer (hami_bpf.sm.duty), stepped directly with made-up observations."""
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from hami_bpf.sm import duty
+from hami_bpf.sm.duty import Ask, DutyPacer, Mode, Observation, Use
+
+KEY = (0, 0)
+
+
+def obs(now, consumed=0, syncs=0, cap=50.0, held_since=None, key=KEY, extra=None):
+    caps = {key: cap}
+    use = {key: Use(consumed, syncs)}
+    held = {key[0]: held_since} if held_since is not None else {}
+    if extra:
+        caps.update(extra["caps"])
+        use.update(extra["use"])
+        held.update(extra["held"])
+    return Observation(now=now, caps=caps, use=use, held=held)
+
+
+def floor_of(cap: float) -> float:
+    c = min(max(cap, 1.0), 99.0)
+    return -duty.BURST_S * (100.0 - c) / c
+
+
+caps = st.floats(min_value=1.0, max_value=99.0)
+gaps = st.floats(min_value=0.0, max_value=0.7)
+
+
+# -- (a) a group that never launches nor synchronizes ---------------------------
+
+@given(cap=caps, start=st.tuples(st.integers(0, 10**9), st.integers(0, 10**6)),
+       steps=st.lists(st.tuples(gaps, st.booleans()), min_size=1, max_size=80))
+def test_a_never_active_group_accrues_no_debt_and_is_never_asked(cap, start, steps):
+    p = DutyPacer()
+    now, since = 100.0, None
+    for gap, held in steps:
+        now += gap
+        since = (since if since is not None else now) if held else None
+        d = p.step(obs(now, *start, cap=cap, held_since=since))
+        k = d.keys[KEY]
+        assert k.debt <= 0.0
+        assert k.ask is Ask.NONE
+        assert k.mode is Mode.BUDGET
+
+
+# -- a random daemon: steps, counters, stops and releases ----------------------
+
+def drive(p, rnd, seconds, cap, sync_every=(0.001, 0.02), tick=(0.005, 0.015),
+          obey=True, random_holds=False, check=None):
+    """Steps `p` over a group that launches all the while it runs and synchronizes.
+
+    A stop asked for comes at a synchronize's return before the next step (the
+    process synchronizes every `sync_every` seconds); a release is obeyed at the
+    step that says it. Returns (seconds running, seconds held) after the first second.
+    """
+    now, consumed, syncs = 0.0, 0, 0
+    since = None
+    next_sync = rnd.uniform(*sync_every)
+    run_s = held_s = 0.0
+    d = p.step(obs(now, consumed, syncs, cap=cap))
+    while now < seconds:
+        k = d.keys[KEY]
+        nxt = now + rnd.uniform(*tick)
+        if d.next_step is not None:
+            nxt = min(nxt, max(d.next_step, now + 1e-6))
+        stop_at = None
+        if since is None and obey and k.ask is not Ask.NONE:
+            stop_at = next_sync if next_sync < nxt else None
+        if since is None and random_holds and stop_at is None and rnd.random() < 0.05:
+            stop_at = rnd.uniform(now, nxt)
+        # run until the stop (or the next step), synchronizing as it goes
+        t = now
+        end_run = nxt if since is not None or stop_at is None else stop_at
+        if since is None:
+            if end_run > t:
+                consumed += rnd.randint(1, 500)      # it launches all the while it runs
+            while next_sync <= end_run:
+                syncs += 1
+                consumed += rnd.randint(1, 500)
+                next_sync += rnd.uniform(*sync_every)
+            if now >= 1.0:
+                run_s += end_run - t
+                held_s += nxt - end_run
+            if stop_at is not None:
+                since = stop_at
+                next_sync = max(next_sync, nxt)
+        elif now >= 1.0:
+            held_s += nxt - now
+        now = nxt
+        d = p.step(obs(now, consumed, syncs, cap=cap, held_since=since))
+        if check:
+            check(now, since, d)
+        if since is not None and KEY[0] in d.release:
+            since = None
+            next_sync = now + rnd.uniform(*sync_every)
+    return run_s, held_s
+
+
+# -- (b) fail open --------------------------------------------------------------
+
+@given(cap=caps, seed=st.integers(0, 2**32 - 1),
+       sync_lo=st.floats(0.001, 0.6), sync_span=st.floats(0.0, 0.6))
+@settings(max_examples=150, deadline=None)
+def test_a_held_group_is_released_once_held_for_max_hold(cap, seed, sync_lo, sync_span):
+    p = DutyPacer()
+
+    def check(now, since, d):
+        if since is not None and now - since >= duty.MAX_HOLD_S:
+            assert KEY[0] in d.release, (now, since, d)
+
+    drive(p, random.Random(seed), 6.0, cap, sync_every=(sync_lo, sync_lo + sync_span),
+          check=check)
+
+
+# -- (c) the books stay within their bounds -------------------------------------
+
+@given(steps=st.lists(st.tuples(gaps, caps, st.integers(0, 3), st.integers(0, 10**5),
+                                st.booleans()), min_size=1, max_size=120))
+def test_debt_stays_between_its_floor_and_max_debt(steps):
+    p = DutyPacer()
+    now, consumed, syncs, since = 0.0, 0, 0, None
+    for gap, cap, nsync, ncost, held in steps:
+        now += gap
+        syncs += nsync
+        consumed += ncost
+        since = (since if since is not None else now - gap / 2) if held else None
+        k = p.step(obs(now, consumed, syncs, cap=cap, held_since=since)).keys[KEY]
+        assert floor_of(cap) - 1e-12 <= k.debt <= duty.MAX_DEBT_S + 1e-12
+
+
+# -- (d) the share of time a synchronizing group runs is its cap ----------------
+
+@given(cap=st.floats(10.0, 90.0), seed=st.integers(0, 2**32 - 1))
+@settings(max_examples=25, deadline=None)
+def test_a_prompt_group_runs_its_cap_share_of_the_time(cap, seed):
+    run_s, held_s = drive(DutyPacer(), random.Random(seed), 20.0, cap,
+                          sync_every=(0.002, 0.012))
+    share = 100.0 * run_s / (run_s + held_s)
+    assert abs(share - cap) <= 2.0, share
+
+
+# -- (e) groups are independent ----------------------------------------------------
+
+@given(seed=st.integers(0, 2**32 - 1), other_cap=caps, other_dev=st.integers(0, 3),
+       steps=st.integers(10, 150))
+@settings(max_examples=100, deadline=None)
+def test_another_groups_observations_do_not_change_a_groups_decisions(
+        seed, other_cap, other_dev, steps):
+    rnd = random.Random(seed)
+    alone, shared = DutyPacer(), DutyPacer()
+    other = (1, other_dev)
+    now, consumed, syncs, since = 0.0, 0, 0, None
+    o_consumed, o_syncs, o_since = 0, 0, None
+    for _ in range(steps):
+        now += rnd.uniform(0.0, 0.05)
+        if since is None:
+            syncs += rnd.randint(0, 2)
+            consumed += rnd.randint(0, 1000)
+        o_syncs += rnd.randint(0, 3)
+        o_consumed += rnd.randint(0, 10**6)
+        if rnd.random() < 0.1:
+            o_since = None if o_since is not None else now
+        extra = {"caps": {other: other_cap}, "use": {other: Use(o_consumed, o_syncs)},
+                 "held": {other[0]: o_since} if o_since is not None else {}}
+        a = alone.step(obs(now, consumed, syncs, cap=30.0, held_since=since))
+        b = shared.step(obs(now, consumed, syncs, cap=30.0, held_since=since, extra=extra))
+        assert a.keys[KEY] == b.keys[KEY]
+        assert (KEY[0] in a.release) == (KEY[0] in b.release)
+        assert (KEY[0] in a.cut_short) == (KEY[0] in b.cut_short)
+        assert [c for c in a.mode_changes if c[0] == KEY] == \
+            [c for c in b.mode_changes if c[0] == KEY]
+        if since is None and a.keys[KEY].ask is not Ask.NONE:
+            since = now
+        elif since is not None and KEY[0] in a.release:
+            since = None
+
+
+# -- the mode switch ----------------------------------------------------------------
+
+def run_at(p, hz, start, seconds, syncs, tick=0.01):
+    """Synchronizes at `hz` for `seconds`, stepping every tick; returns the
+    decisions and the synchronize count."""
+    out = []
+    now = start
+    next_sync = start + 1.0 / hz
+    while now < start + seconds - 1e-9:
+        now += tick
+        while next_sync <= now:
+            syncs += 1
+            next_sync += 1.0 / hz
+        out.append((now, p.step(obs(now, syncs * 100, syncs, cap=50.0))))
+    return out, syncs
+
+
+def switches(decisions):
+    return [(t, c[1]) for t, d in decisions for c in d.mode_changes if c[0] == KEY]
+
+
+def test_duty_once_synchronizing_at_paced_hz():
+    p = DutyPacer()
+    p.step(obs(0.0))
+    ds, _ = run_at(p, duty.PACED_HZ * 1.2, 0.0, 3.0, 0)
+    (t, mode), = switches(ds)
+    assert mode is Mode.DUTY
+    assert t <= 1.0
+    assert ds[-1][1].keys[KEY].mode is Mode.DUTY
+
+
+def test_budget_below_paced_hz():
+    p = DutyPacer()
+    p.step(obs(0.0))
+    ds, _ = run_at(p, (duty.PACED_HZ + duty.UNPACED_HZ) / 2, 0.0, 5.0, 0)
+    assert switches(ds) == []
+    assert all(d.keys[KEY].mode is Mode.BUDGET for _, d in ds)
+
+
+def test_back_to_budget_under_unpaced_hz_and_not_between():
+    p = DutyPacer()
+    p.step(obs(0.0))
+    ds, n = run_at(p, 20.0, 0.0, 2.0, 0)
+    assert [m for _, m in switches(ds)] == [Mode.DUTY]
+    # between the two rates: stays paced by time
+    ds, n = run_at(p, (duty.PACED_HZ + duty.UNPACED_HZ) / 2, 2.0, 4.0, n)
+    assert switches(ds) == []
+    assert all(d.keys[KEY].mode is Mode.DUTY for _, d in ds)
+    # under UNPACED_HZ: back to the launch budget within a rate window or so
+    ds, n = run_at(p, duty.UNPACED_HZ / 2, 6.0, 3.0, n)
+    (t, mode), = switches(ds)
+    assert mode is Mode.BUDGET
+    assert t <= 6.0 + 2 * duty.SYNC_WINDOW_S
+    assert ds[-1][1].keys[KEY].debt <= 0.0
+
+
+# -- plain cases -----------------------------------------------------------------------
+
+def paced(cap=50.0, start=0.0):
+    """A pacer whose group just switched to DUTY mode (no debt): (pacer, syncs, now)."""
+    p = DutyPacer()
+    now, syncs = start, 0
+    p.step(obs(now, cap=cap))
+    while True:
+        now += 0.01
+        syncs += 1
+        k = p.step(obs(now, syncs, syncs, cap=cap)).keys[KEY]
+        if k.mode is Mode.DUTY:
+            assert k.debt <= 0.0
+            return p, syncs, now
+
+
+def test_asks_for_a_stop_at_the_quantum_then_at_a_launch():
+    p, n, now = paced(cap=50.0)
+    start = now
+    asks = []
+    while now < start + 0.5:
+        now += 0.01
+        n += 1
+        asks.append((now, p.step(obs(now, n, n, cap=50.0)).keys[KEY]))
+    first = next(t for t, k in asks if k.ask is Ask.SYNC)
+    # at cap 50 a second of running owes a second
+    assert first == pytest.approx(start + duty.QUANTUM_S, abs=0.011)
+    launch = next(t for t, k in asks if k.ask is Ask.LAUNCH)
+    assert launch == pytest.approx(first + duty.FORCE_AFTER_S, abs=0.011)
+
+
+def test_a_hold_that_began_between_steps_counts_the_running_before_it():
+    # Stepped 10 ms apart; the group ran for 9 ms of them, then stopped. The
+    # 9 ms it ran owe 9 ms at cap 50, the 1 ms held pays 1 ms.
+    p, n, now = paced(cap=50.0)
+    before = p.debt(KEY)
+    k = p.step(obs(now + 0.01, n + 1, n + 1, cap=50.0, held_since=now + 0.009)).keys[KEY]
+    assert k.debt == pytest.approx(before + 0.009 - 0.001, abs=1e-9)
+
+
+def test_release_once_paid_and_next_step_when_due():
+    p, n, now = paced(cap=50.0)
+    while p.debt(KEY) < duty.QUANTUM_S:
+        now += 0.01
+        n += 1
+        p.step(obs(now, n, n, cap=50.0))
+    owed = p.debt(KEY)
+    d = p.step(obs(now + 0.001, n, n, cap=50.0, held_since=now + 0.001))
+    assert KEY[0] not in d.release
+    assert d.next_step == pytest.approx(now + 0.001 + d.keys[KEY].debt)
+    d = p.step(obs(d.next_step, n, n, cap=50.0, held_since=now + 0.001))
+    assert KEY[0] in d.release and KEY[0] not in d.cut_short
+    assert owed > 0
+
+
+def asked_then_held(cap=50.0):
+    """A paced group asked to stop and stopped at that step: (pacer, syncs, now)."""
+    p, n, now = paced(cap=cap)
+    while True:
+        now += 0.01
+        n += 1
+        if p.step(obs(now, n, n, cap=cap)).keys[KEY].ask is not Ask.NONE:
+            return p, n, now
+
+
+def test_a_hold_it_asked_for_is_released_when_the_cap_goes():
+    p, n, since = asked_then_held()
+    d = p.step(Observation(now=since + 0.01, caps={}, use={}, held={KEY[0]: since}))
+    assert KEY[0] in d.release
+
+
+def test_the_rate_counts_running_time_so_a_held_group_stays_paced():
+    # A training loop that synchronizes every 150 ms it runs (6.7 Hz), paced at
+    # cap 25: held most of the time, it synchronizes 2-3 times a second of wall
+    # time, near UNPACED_HZ. Its rate per second of running stays 6.7 Hz: one
+    # switch to DUTY, none back.
+    p = DutyPacer()
+    now, consumed, syncs, since, ran = 0.0, 0, 0, None, 0.0
+    p.step(obs(now, cap=25.0))
+    changes, held_s = [], 0.0
+    for i in range(1, 3000):
+        now = i * 0.01
+        if since is None:
+            consumed += 1
+            ran += 0.01
+            if ran >= 0.15 - 1e-9:
+                syncs, ran = syncs + 1, 0.0
+        else:
+            held_s += 0.01
+        d = p.step(obs(now, consumed, syncs, cap=25.0, held_since=since))
+        changes += [m for key, m in d.mode_changes if key == KEY]
+        if since is not None and KEY[0] in d.release:
+            since = None
+        elif since is None and d.keys[KEY].ask is not Ask.NONE:
+            since = now
+    assert changes == [Mode.DUTY]
+    assert held_s / now > 0.5
+
+
+def test_a_hold_it_did_not_ask_for_is_not_its_to_end():
+    # held by the launch budget (BUDGET mode, never asked): not released here
+    p = DutyPacer()
+    p.step(obs(0.0, cap=50.0))
+    for i in range(1, 100):
+        d = p.step(obs(i * 0.01, i * 100, 0, cap=50.0, held_since=0.005))
+        assert d.release == frozenset()
+
+
+@given(start=st.floats(0.0, 1e7), cap=st.floats(5.0, 95.0), run=st.floats(0.05, 1.5),
+       at=st.floats(0.0, 0.01))
+@settings(max_examples=300, deadline=None)
+def test_stepped_at_next_step_a_hold_ends_when_due(start, cap, run, at):
+    # Monotonic clocks run to 1e7 s; a step at next_step lands within rounding
+    # of the debt's or MAX_HOLD_S's end, and the hold must end right there.
+    p, n, now = paced(cap=cap, start=start)
+    t_end = now + run
+    while now < t_end:
+        now += 0.01
+        n += 1
+        p.step(obs(now, n, n, cap=cap))
+    since = now + at
+    owed = p.debt(KEY)
+    d = p.step(obs(since, n, n, cap=cap, held_since=since))
+    steps = 0
+    while KEY[0] not in d.release:
+        assert d.next_step is not None and d.next_step > now
+        now = d.next_step
+        d = p.step(obs(now, n, n, cap=cap, held_since=since))
+        steps += 1
+        assert steps <= 1, (owed, now - since)
+    assert now - since <= duty.MAX_HOLD_S + 1e-6
+    assert now - since >= min(max(owed, 0.0), duty.MAX_HOLD_S) - 1e-6
+
+
+def test_a_group_waiting_in_a_synchronize_is_active():
+    # Launched 10 long kernels, then waits 150 ms for them: no counter moves,
+    # but its work is on the GPU and its running time owes.
+    for waiting, grows in ((1, True), (0, False)):
+        p, n, now = paced(cap=50.0)
+        before = p.debt(KEY)
+        for _ in range(15):
+            now += 0.01
+            k = p.step(Observation(now=now, caps={KEY: 50.0},
+                                   use={KEY: Use(n, n, waiting)}, held={})).keys[KEY]
+        if grows:
+            assert k.debt == pytest.approx(before + 0.15, abs=1e-9)
+        else:
+            assert k.debt < before + duty.ACTIVE_GRACE_S

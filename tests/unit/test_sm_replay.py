@@ -1,0 +1,272 @@
+"""Recorded workloads replayed under the duty pacer, in virtual time.
+
+Every recording under tests/data/traces/*.json.gz is replayed, with the
+synthetic ones of hami_bpf.sm.synth, at caps 25, 50 and 75. What each is
+expected to do is in EXPECT (synthetic) and TRACE_EXPECT (recordings, by
+header workload): "duty" workloads synchronize often enough to be paced by
+time and must get their cap (+-5 points) while paced by it; "budget"
+workloads never synchronize and must stay with the launch budget (never
+held here). A recording named in neither is expected to be paced by time
+when it synchronized at PACED_HZ or more over its whole length, and to stay
+with the launch budget otherwise. For every workload the fail-open rule holds: never more than 5 s
+below cap - 10 points, and no hold longer than duty.MAX_HOLD_S.
+
+A hold comes at a synchronize's return and lasts MAX_HOLD_S at most, so a
+group that synchronizes every S seconds runs at least S / (S + MAX_HOLD_S)
+of the time whatever its cap: at cap 25 that is above the cap once S passes
+83 ms. The expected ratio is the larger of the two (S: the median time
+between recorded synchronize returns).
+"""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+
+from hami_bpf.sm import duty, replay, synth
+
+TRACES = Path(__file__).resolve().parents[1] / "data" / "traces"
+CAPS = (25, 50, 75)
+HORIZON_S = 40.0            # virtual seconds per capped run at most
+TOLERANCE_PTS = 5.0
+FAIL_OPEN_PTS = 10.0
+FAIL_OPEN_S = 5.0
+
+EXPECT = {                   # hami_bpf.sm.synth's workloads
+    "decode": "duty",        # a token every ~7 ms, a synchronize per token
+    "cnn_train": "duty",     # a synchronize per ~50 ms step (autotuning first, in BUDGET)
+    "gpu_bound": "budget",   # never synchronizes
+    "train_slow": "duty",    # 150 ms steps: at cap 25, held at most MAX_HOLD_S a step (37.5%)
+    "prefill": "duty",       # waits ~100 ms in each synchronize: active while it waits
+    "phased": "duty",        # decode, then stretches in BUDGET mode (free here): duty windows only
+}
+TRACE_EXPECT = {             # recordings made on a GPU
+    "llm_decode": "duty",
+}
+
+
+def _recordings() -> dict:
+    found = {f"synthetic:{name}": ("synthetic", name) for name in synth.WORKLOADS}
+    for path in sorted(TRACES.glob("*.json.gz")):
+        found[f"trace:{path.name}"] = ("trace", str(path))
+    return found
+
+
+RECORDINGS = _recordings()
+
+
+@functools.lru_cache(maxsize=None)
+def workload(key: str):
+    kind, what = RECORDINGS[key]
+    rec = replay.from_obj(synth.WORKLOADS[what]()) if kind == "synthetic" else replay.load(what)
+    wl = replay.fit(rec)
+    return rec, wl, replay.replay(wl)
+
+
+def expectation(key: str, rec: replay.Recording) -> str:
+    table = EXPECT if RECORDINGS[key][0] == "synthetic" else TRACE_EXPECT
+    if rec.workload in table:
+        return table[rec.workload]
+    seconds = float(rec.header.get("seconds") or 0) or 1.0
+    return "duty" if len(rec.syncs) / seconds >= duty.PACED_HZ else "budget"
+
+
+def expected_ratio(rec: replay.Recording, cap: float) -> float:
+    returns = sorted(s[2] for s in rec.syncs)
+    gaps = sorted(b - a for a, b in zip(returns, returns[1:]))
+    if not gaps:
+        return cap / 100.0
+    s = gaps[len(gaps) // 2]
+    return max(cap / 100.0, s / (s + duty.MAX_HOLD_S))
+
+
+@functools.lru_cache(maxsize=None)
+def capped(key: str, cap: int) -> replay.Report:
+    _rec, wl, base = workload(key)
+    return replay.compare(replay.replay_capped(wl, cap, horizon=HORIZON_S), base)
+
+
+@pytest.mark.parametrize("key", sorted(RECORDINGS))
+def test_unthrottled_replay_reproduces_the_recording(key):
+    rec, wl, base = workload(key)
+    fi = replay.fidelity(wl, base)
+    assert base.finished
+    assert fi["duration_error"] <= 0.03, fi
+    assert abs(fi["replayed_returns"] - fi["recorded_returns"]) <= 0.03 * fi["recorded_returns"], fi
+    assert fi["returns_drift"] <= 0.03, fi
+    assert wl.actions == len(base.done_at)
+
+
+@pytest.mark.parametrize("cap", CAPS)
+@pytest.mark.parametrize("key", sorted(RECORDINGS))
+def test_capped_replay(key, cap):
+    rec = workload(key)[0]
+    rep = capped(key, cap)
+    print(rep.line())
+    # fail open, whatever the workload
+    assert rep.below_longest_s <= FAIL_OPEN_S, rep.line()
+    assert rep.longest_hold <= duty.MAX_HOLD_S + 1e-9, rep.line()
+    if expectation(key, rec) == "duty":
+        assert rep.duty_share >= 0.5, f"rarely paced by time: {rep.line()}"
+        assert rep.duty_mean is not None, f"no whole second in DUTY after 5 s: {rep.line()}"
+        want = 100 * expected_ratio(rec, cap)
+        assert abs(100 * rep.duty_mean - want) <= TOLERANCE_PTS, (want, rep.line())
+        if rep.duty_share >= 0.95:      # a long BUDGET phase runs freely here
+            assert abs(100 * rep.mean - want) <= TOLERANCE_PTS, (want, rep.line())
+    else:
+        assert rep.duty_share == 0.0, rep.line()
+        assert rep.holds == 0, rep.line()
+        assert rep.ratios and all(abs(r - 1.0) <= 0.01 for r in rep.ratios), rep.line()
+
+
+# -- the simulator's own mechanics, on hand-made recordings ---------------------
+
+def _rec(launches, syncs, seconds, nvml=()):
+    return replay.from_obj({"header": {"workload": "hand", "seconds": seconds, "lost": 0,
+                                       "extra": "ignored"},
+                            "launches": launches, "syncs": syncs, "nvml": list(nvml),
+                            "more": [1, 2]})
+
+
+class Scripted:
+    """Asks for a stop from `ask_at` on and releases after `hold_s` of hold."""
+
+    def __init__(self, ask, ask_at=0.0, hold_s=0.1):
+        self.ask, self.ask_at, self.hold_s = ask, ask_at, hold_s
+        self.seen = []
+
+    def step(self, now, consumed, syncs, held_since, waiting=0):
+        self.seen.append((now, consumed, syncs, held_since))
+        if held_since is not None:
+            done = now - held_since >= self.hold_s - 1e-12
+            if done:
+                self.ask_at = float("inf")
+            return replay.Step(duty.Ask.NONE, done, held_since + self.hold_s, duty.Mode.DUTY)
+        ask = self.ask if now >= self.ask_at else duty.Ask.NONE
+        return replay.Step(ask, False, None, duty.Mode.DUTY)
+
+
+def _loop(steps=10, host_ms=4, gpu_wait_us=2000):
+    """One thread: a launch bin of 100 cost at the start of each 10 ms, a
+    synchronize entered at host_ms that waits gpu_wait_us."""
+    launches, syncs = [], []
+    for i in range(steps):
+        t = 10 * i
+        launches.append([t, 7, 5, 100])
+        enter = (t + host_ms) * 1000
+        syncs.append([7, enter, enter + gpu_wait_us, "cuStreamSynchronize"])
+    return _rec(launches, syncs, steps * 0.01)
+
+
+def test_fit_reproduces_each_synchronize_return():
+    wl = replay.fit(_loop())
+    base = replay.replay(wl)
+    expect = [(10 * i + 4) / 1000 + 0.002 for i in range(10)]
+    assert base.returns == pytest.approx(expect, abs=1e-9)
+    # every call waited 2 ms, so the floor is its ceiling, and the bin placed at
+    # 0.5 ms has the GPU until the return less the floor
+    assert wl.floor == replay.FLOOR_MAX_S
+    assert wl.threads[0].gpu[0] == pytest.approx(0.006 - replay.FLOOR_MAX_S - 0.0005, abs=1e-9)
+
+
+def test_a_synchronize_that_did_not_wait_takes_gpu_time_from_nvml():
+    rec = _rec([[0, 1, 1, 1000]], [[1, 4000, 4003, "cuCtxSynchronize"],
+                                    [1, 9000, 9002, "cuCtxSynchronize"]],
+               0.01, nvml=[[5000, 40], [10000, 40]])
+    wl = replay.fit(rec)
+    # floor 2 us; the first waited 1 us over it: NVML's 40% of the 3.5 ms span
+    assert wl.floor == pytest.approx(2e-6)
+    assert wl.threads[0].gpu[0] == pytest.approx(0.4 * 0.0035, rel=1e-6)
+
+
+def test_a_bin_overlapping_a_synchronize_is_split_around_it():
+    # the thread waited from 0.2 to 0.4 ms of the bin: a quarter of its launches came before
+    rec = _rec([[0, 1, 4, 400]], [[1, 200, 400, "cuStreamSynchronize"]], 0.001)
+    wl = replay.fit(rec)
+    th = wl.threads[0]
+    assert th.kinds == [replay.LAUNCH, replay.SYNC, replay.LAUNCH]
+    assert sum(th.costs) == 400
+    assert th.costs[0] == 100 and th.costs[2] == 300
+
+
+def test_nested_synchronize_is_folded():
+    rec = _rec([[0, 1, 1, 10]], [[1, 2000, 5000, "cuMemcpyDtoH_v2"],
+                                 [1, 2500, 4900, "cuCtxSynchronize"]], 0.006)
+    wl = replay.fit(rec)
+    assert wl.nested == 1
+    assert wl.threads[0].kinds.count(replay.SYNC) == 1
+
+
+def test_a_hold_at_a_synchronize_freezes_the_host_not_the_gpu():
+    wl = replay.fit(_loop())
+    base = replay.replay(wl)
+    ctl = Scripted(duty.Ask.SYNC, ask_at=0.0, hold_s=0.1)
+    run = replay.replay(wl, ctl)
+    assert run.stops == {"sync": 1, "launch": 0}
+    (start, end), = run.holds
+    assert start == pytest.approx(base.returns[0])
+    assert end - start == pytest.approx(0.1)
+    # every later action comes exactly one hold later
+    k = 2   # the first launch and the synchronize that stopped it
+    shifted = [t - (end - start) for t in run.done_at[k:]]
+    assert shifted == pytest.approx(base.done_at[k:], abs=1e-9)
+    # the daemon's view while held: counters frozen, held since the stop
+    held = [s for s in ctl.seen if s[3] is not None]
+    assert held and all(s[1:] == (100, 1, start) for s in held)
+
+
+def test_a_hold_at_a_launch_lets_the_queue_drain():
+    # ~48 ms of GPU work launched at 0.5 ms, a small launch at 15.5 ms, a synchronize
+    rec = _rec([[0, 1, 1, 1000], [15, 1, 1, 10]], [[1, 16000, 50000, "cuStreamSynchronize"]],
+               0.05)
+    wl = replay.fit(rec)
+    base = replay.replay(wl)
+    # asked from the tick at 10 ms: stopped at the second launch, issued on release
+    run = replay.replay(wl, Scripted(duty.Ask.LAUNCH, ask_at=0.005, hold_s=0.1))
+    assert run.stops == {"sync": 0, "launch": 1}
+    (start, end), = run.holds
+    assert start == pytest.approx(0.0155, abs=1e-9)
+    assert run.done_at[1] == pytest.approx(end)
+    # the GPU drained the first launch's work while the process was stopped
+    assert base.returns[0] - base.done_at[1] > 0.03
+    assert run.returns[0] - end < 0.002
+
+
+def test_a_sync_that_completes_while_held_returns_on_release():
+    # thread 2 waits in a synchronize (entered at 2 ms, GPU busy to ~50 ms) when
+    # thread 1's return at 3 ms stops the process for 100 ms
+    rec = _rec([[0, 1, 1, 10], [1, 2, 1, 10000]],
+               [[1, 1000, 3000, "cuStreamSynchronize"], [2, 2000, 50000, "cuStreamSynchronize"]],
+               0.05)
+    wl = replay.fit(rec)
+    base = replay.replay(wl)
+    assert base.returns == pytest.approx([0.003, 0.05], abs=1e-9)
+    run = replay.replay(wl, Scripted(duty.Ask.SYNC, ask_at=0.0, hold_s=0.1))
+    (start, end), = run.holds
+    assert start == pytest.approx(0.003)
+    assert run.returns[1] == pytest.approx(end)
+
+
+def test_progress_ratio_of_a_uniformly_slowed_run():
+    base = replay.Run("w", None, 10.0, True, [i * 0.01 for i in range(1, 1001)], [], [], {},
+                      [], 0, 0.0)
+    half = replay.Run("w", 50, 20.0, True, [i * 0.02 for i in range(1, 1001)], [], [], {},
+                      [(t / 100, duty.Mode.DUTY) for t in range(2000)], 0, 0.0)
+    rep = replay.compare(half, base)
+    assert rep.ratios == pytest.approx([0.5] * 20)
+    assert rep.mean == pytest.approx(0.5) and rep.duty_mean == pytest.approx(0.5)
+    assert rep.below_longest_s == 0
+    stalled = replay.Run("w", 75, 20.0, True, [i * 0.02 for i in range(1, 1001)], [], [], {},
+                         [], 0, 0.0)
+    rep = replay.compare(stalled, base)
+    assert rep.below_longest_s == 20 and rep.duty_share == 0.0
+
+
+def test_a_trace_file_round_trips(tmp_path):
+    obj = synth.gpu_bound(seconds=0.5)
+    path = tmp_path / "t.json.gz"
+    replay.dump(obj, path)
+    rec = replay.load(path)
+    assert rec.workload == "gpu_bound"
+    assert len(rec.launches) == len(obj["launches"]) and rec.syncs == []
