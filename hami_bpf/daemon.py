@@ -1272,6 +1272,12 @@ class Daemon:
         for key, kd in d.keys.items():
             if kd.mode is not duty.Mode.DUTY:
                 continue
+            if log.isEnabledFor(logging.DEBUG) and now - self._budget_logged.get(key, 0) >= 0.5:
+                self._budget_logged[key] = now
+                log.debug("duty %s dev %d: cap %s debt %.3f ask %s held %s syncs %d waiting %d",
+                          names.get(key[0], key[0]), key[1], caps[key], kd.debt, kd.ask.value,
+                          key[0] in held, obs.use[key].syncs if key in obs.use else -1,
+                          obs.use[key].waiting if key in obs.use else -1)
             consumed = use.get(key, (0,))[0]
             granted = consumed if kd.ask is duty.Ask.LAUNCH else consumed + UNLIMITED
             self.probes.set_sm_grant(key[0], key[1], granted, True,

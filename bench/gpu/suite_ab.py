@@ -1,0 +1,180 @@
+#!/usr/bin/env python3
+"""Caps against the same process's own uncapped rate (run by bench/gpu/suite_ab.sh).
+
+One process per workload (bench/gpu/workloads/), in a group of its own. Its
+group's cap comes from the daemon's policy file and changes while it runs:
+uncapped, CAPS[0], uncapped, CAPS[1], ..., uncapped (each change a SIGHUP to
+the daemon). A capped stretch is compared with the mean of the uncapped
+stretches just before and after it, so a host-bound loop whose own speed
+drifts from one process to the next (a Python decode loop on this VM: 66 and
+95 tokens/s in two processes minutes apart) is measured against itself.
+
+Prints one JSON line per capped stretch and a markdown table at the end:
+  {"w", "cap", "rate", "ref_before", "ref_after", "pct", "within5", "series"}
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def write_policy(path: str, group: str, cap: int | None) -> None:
+    rule = (f'[[group]]\nmatch = "{group}"\nsm = {cap}\n' if cap else
+            '[[group]]\nmatch = "nobody"\nmemory = "1Gi"\n')
+    tmp = path + ".new"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(rule)
+    os.chown(tmp, 0, 0)
+    os.replace(tmp, path)
+
+
+def reader(p: subprocess.Popen, q: queue.Queue) -> None:
+    for line in p.stdout:
+        q.put((time.monotonic(), line))
+    q.put((time.monotonic(), None))
+
+
+def mean_rate(lines: list, start: float, end: float) -> tuple[float | None, list]:
+    """Units per second over the workload's intervals that lie in [start, end]."""
+    n = t = 0.0
+    series = []
+    for arrived, rec in lines:
+        s = arrived - rec["dt"]
+        if s >= start and arrived <= end:
+            n += rec["n"]
+            t += rec["dt"]
+            series.append(round(rec["rate"], 2))
+    return (n / t if t > 0 else None), series
+
+
+def run_one(a, w: str) -> list[dict]:
+    group = f"ab-{w}-{os.getpid()}"
+    seg = [None] + [c for cap in a.caps for c in (cap, None)]
+    lengths = [a.ref_s if c is None else a.cap_s for c in seg]
+    total = sum(lengths) + 5
+    write_policy(a.policy, group, None)
+    os.kill(a.daemon_pid, signal.SIGHUP)
+    env = dict(os.environ, HAMI_GROUP=group)
+    env.pop("CUDA_DEVICE_SM_LIMIT", None)
+    args = os.environ.get(f"ARGS_{w}", "").split()
+    cmd = ["python3", os.path.join(HERE, "workloads", f"{w}.py"), "--seconds", str(total), *args]
+    if a.cpus:
+        cmd = ["taskset", "-c", a.cpus, *cmd]
+    log = open(os.path.join(a.out, f"ab-{w}.log"), "w")
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+    q: queue.Queue = queue.Queue()
+    threading.Thread(target=reader, args=(p, q), daemon=True).start()
+    lines: list = []
+    edges: list[tuple[float, int | None]] = []
+    deadline = time.monotonic() + a.setup_limit
+    started = None
+    try:
+        while True:
+            timeout = max(0.0, deadline - time.monotonic())
+            try:
+                arrived, line = q.get(timeout=min(timeout, 0.2) or 0.01)
+            except queue.Empty:
+                arrived, line = time.monotonic(), ""
+            if line is None:
+                break
+            if line.startswith("{"):
+                rec = json.loads(line)
+                if "rate" in rec and not rec.get("summary"):
+                    lines.append((arrived, rec))
+                    if started is None:
+                        started = arrived - rec["dt"]
+                        at = started
+                        for cap, length in zip(seg, lengths):
+                            edges.append((at, cap))
+                            at += length
+                        edges.append((at, "end"))
+            now = time.monotonic()
+            if started is None and now > deadline:
+                print(json.dumps({"w": w, "error": "no timed loop before the set-up limit"}))
+                return []
+            # Apply the cap of the stretch we are in (once each).
+            while started is not None and edges and edges[0][0] <= now:
+                at, cap = edges.pop(0)
+                if cap == "end":
+                    edges.clear()
+                    break
+                write_policy(a.policy, group, cap)
+                os.kill(a.daemon_pid, signal.SIGHUP)
+                done_edges.append((at, cap))
+            if started is not None and not edges and now > started + sum(lengths):
+                break
+    finally:
+        p.terminate()
+        try:
+            p.wait(20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+        log.close()
+        write_policy(a.policy, group, None)
+        os.kill(a.daemon_pid, signal.SIGHUP)
+    out = []
+    spans = [(at, cap, (done_edges[i + 1][0] if i + 1 < len(done_edges) else at + a.ref_s))
+             for i, (at, cap) in enumerate(done_edges)]
+    for i, (s, cap, e) in enumerate(spans):
+        if cap is None:
+            continue
+        before = mean_rate(lines, spans[i - 1][0] + 1.0, spans[i - 1][2])[0] if i > 0 else None
+        after = mean_rate(lines, spans[i + 1][0] + 1.0, spans[i + 1][2])[0] \
+            if i + 1 < len(spans) else None
+        rate, series = mean_rate(lines, s + a.settle, e)
+        refs = [r for r in (before, after) if r]
+        ref = sum(refs) / len(refs) if refs else None
+        pct = 100 * rate / ref if rate and ref else None
+        first, _ = mean_rate(lines, s, s + a.settle)
+        r = {"w": w, "cap": cap, "rate": rate and round(rate, 3), "ref_before": before and round(before, 3),
+             "ref_after": after and round(after, 3), "pct": pct and round(pct, 1),
+             "within5": pct is not None and abs(pct - cap) <= 5,
+             "first_s_pct": first and ref and round(100 * first / ref, 1), "series": series}
+        print(json.dumps(r), flush=True)
+        out.append(r)
+    return out
+
+
+done_edges: list = []
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--policy", required=True)
+    ap.add_argument("--daemon-pid", type=int, required=True, dest="daemon_pid")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--workloads", default=os.environ.get(
+        "AB_WORKLOADS", "llm_decode cnn_train jax_train phased"))
+    ap.add_argument("--caps", default=os.environ.get("CAPS", "25 50 75"))
+    ap.add_argument("--ref-s", type=float, default=float(os.environ.get("AB_REF_S", "6")))
+    ap.add_argument("--cap-s", type=float, default=float(os.environ.get("AB_CAP_S", "9")))
+    ap.add_argument("--settle", type=float, default=3.0)
+    ap.add_argument("--setup-limit", type=float, default=120.0)
+    ap.add_argument("--cpus", default=os.environ.get("AB_CPUS", "2-5"))
+    a = ap.parse_args()
+    a.caps = [int(c) for c in a.caps.split()]
+    rows = []
+    for w in a.workloads.split():
+        done_edges.clear()
+        rows += run_one(a, w)
+    print("\n| workload | cap | capped rate | own uncapped before / after | % of uncapped | within ±5 "
+          "| first 3 s |")
+    print("|---|---:|---:|---:|---:|:---:|---:|")
+    for r in rows:
+        print(f"| {r['w']} | {r['cap']} | {r['rate']} | {r['ref_before']} / {r['ref_after']} "
+              f"| {r['pct']} | {'yes' if r['within5'] else 'no'} | {r['first_s_pct']} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

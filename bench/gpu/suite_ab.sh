@@ -1,0 +1,26 @@
+#!/bin/bash
+# SM caps against the same process's own uncapped rate, one device run
+# (nvidia-h200, carry .debs): bench/gpu/suite_ab.py changes each workload's
+# cap while it runs (policy file + SIGHUP): uncapped, 25, uncapped, 50,
+# uncapped, 75, uncapped. Then, unless SECTIONS says otherwise, the pairs of
+# bench/gpu/suite.sh (each side against its own reference run).
+# Usage: [AB_WORKLOADS="llm_decode cnn_train jax_train phased"] [CAPS="25 50 75"]
+#        [AB_REF_S=6] [AB_CAP_S=9] [SECTIONS="ab pair"] bash bench/gpu/suite_ab.sh
+# Results in $OUT: ab.jsonl, ab.md, ab-<workload>.log, daemon.log (+ the pair files).
+T0=$(date +%s)
+SECTIONS=${SECTIONS:-ab pair}
+. bench/gpu/prelude.sh
+P=/tmp/hami-ab-policy.toml
+(umask 077; printf '[[group]]\nmatch = "nobody"\nmemory = "1Gi"\n' > "$P"); chown root:root "$P"
+case " $SECTIONS " in *" ab "*)
+  start_daemon --sm-limits -v --policy "$P"
+  echo "daemon ready after $(( $(date +%s) - T0 )) s"
+  python3 bench/gpu/suite_ab.py --policy "$P" --daemon-pid "$DPID" --out "$OUT" > "$OUT/ab.jsonl"
+  sed -n '/^|/,$p' "$OUT/ab.jsonl" | tee "$OUT/ab.md"
+  timeout 20 $H events --json --socket /tmp/h.sock > "$OUT/ab-events.json" 2>&1
+  stop_daemon
+  echo "in-process section done after $(( $(date +%s) - T0 )) s"
+esac
+case " $SECTIONS " in *" pair "*)
+  SECTIONS=pair SUITE_BUDGET=$(( ${AB_TOTAL:-560} - ($(date +%s) - T0) )) bash bench/gpu/suite.sh
+esac
