@@ -812,7 +812,10 @@ class Daemon:
             self.probes.poll(self._poll_ms())
             now = time.monotonic()
             if self.sm_caps:
-                self._throttle_tick(now)
+                try:
+                    self._throttle_tick(now)
+                except Exception as e:   # noqa: BLE001 - SM pacing must never take the daemon down
+                    self._sm_failed(e)
             if now - last_reap >= REAP_EVERY_S:
                 self._reap()
                 last_reap = now
@@ -825,6 +828,16 @@ class Daemon:
                 self.reload_policy()
             if self._dirty or self.cfg.count_launches or self.sm_caps:
                 self._rebuild_snapshot()
+
+    def _sm_failed(self, e: Exception) -> None:
+        """SM pacing failed this tick: fail open. Every group it holds runs
+        again; memory limits are untouched (they live in BPF)."""
+        self.counters["sm_errors"] += 1
+        log.exception("SM pacing failed; holds released")
+        for group in list(self.throttled):
+            self._resume_group(group)
+        self.record("error", f"SM pacing failed ({type(e).__name__}: {e}); every hold released",
+                    error=type(e).__name__)
 
     def _poll_ms(self) -> int:
         if not self.sm_caps:

@@ -68,6 +68,7 @@ _SM_LABELLED = (
 # of hami_bpf_probe_errors_total.
 PROBE_ERROR_KINDS = {
     "handler_errors": "handler",            # the controller failed to handle an event
+    "sm_errors": "sm",                      # SM pacing failed a tick (holds released)
     "enforce_errors": "enforce",            # stop-and-rewrite failed
     "enforce_refused": "enforce_refused",   # stop-and-rewrite refused, call let through
     "allocs_map_full": "allocs_map_full",   # BPF maps full: an allocation was not recorded

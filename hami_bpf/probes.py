@@ -235,7 +235,7 @@ class Probes:
         self.map = {name: self.bpf[name] for name in (
             "procs", "proc_cfg", "pmem", "grp_mem", "grp_lim", "allocs", "inflight",
             "ctx_dev", "cur_ctx", "launches", "config", "stats", "sm_grant", "sm_use",
-            "nvml_dev")}
+            "sync_at", "nvml_dev")}
 
     # attach / detach
 
