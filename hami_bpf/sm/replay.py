@@ -12,6 +12,8 @@ Recording (gzip'd JSON; extra fields are ignored):
   launches  [[t_ms, tid, n, cost_sum], ...]  launches per 1 ms bin and thread
   syncs     [[tid, t_enter_us, t_return_us, fn], ...]
   nvml      [[t_us, util_percent], ...]     each sample: the busy share of its period
+  rates     [{"t", "dt", "recv_us", ...}, ...]  the workload's own per-second lines
+            (optional; recv_us: when the line arrived)
 
 The workload model
   Per thread, the recorded sequence of host actions (a launch bin, a
@@ -61,6 +63,16 @@ Progress and ratios
   window's ratio is the unthrottled seconds of work it did per second, which
   stays meaningful across phases whose actions take very different times.
 
+The timed loop
+  A real recording covers the whole process: imports, set-up and warm-up,
+  where progress is bound by the host and a GPU cap rightly costs little,
+  then the workload's timed loop. `Recording.loop_start`/`loop_end` say when
+  the loop ran (from its rate lines and summary); `compare` maps them through
+  action indices onto the throttled run (whose time stretches) and reports the
+  ratio over the loop from LOOP_SETTLE_S after its start (`loop_mean`) and the
+  longest stretch below cap - 10 points there, so that the pacer is judged
+  where the workload is bound by the GPU.
+
 Not modelled: the launch budget (hami_bpf.throttle); a group in BUDGET mode
 runs freely here and the report says how long it was in that mode. Launch
 queue back-pressure is only present as the recorded host gaps.
@@ -68,6 +80,7 @@ queue back-pressure is only present as the recorded host gaps.
 from __future__ import annotations
 
 import argparse
+import ast
 import bisect
 import gzip
 import json
@@ -84,6 +97,7 @@ FLOOR_MAX_S = 50e-6    # a synchronize's own cost is no more (when every one wai
 TICK_S = 0.01          # the daemon's tick
 MIN_STEP_S = 1e-6      # a requested step no sooner than this after the last one
 WARMUP_S = 5.0         # ratios before this are not in the mean
+LOOP_SETTLE_S = 5.0    # the timed loop's first seconds of a throttled run are not in its mean
 _EPS = 1e-12
 
 LAUNCH, SYNC = 0, 1
@@ -95,6 +109,8 @@ class Recording:
     launches: list      # (t_s, tid, n, cost)
     syncs: list         # (tid, enter_s, return_s, fn)
     nvml: list          # (t_s, util 0..1)
+    loop_start: float | None = None     # the workload's timed loop, seconds since the
+    loop_end: float | None = None       # recording's start (None: no rate lines)
 
     @property
     def workload(self) -> str:
@@ -128,7 +144,38 @@ def from_obj(obj: dict) -> Recording:
                    key=lambda s: (s[1], s[0]))
     nvml = sorted((float(r[0]) / 1e6, min(max(float(r[1]) / 100.0, 0.0), 1.0))
                   for r in _rows(obj.get("nvml"), ("t_us", "util")))
-    return Recording(dict(obj.get("header", {})), launches, syncs, nvml)
+    header = dict(obj.get("header", {}))
+    loop_start, loop_end = _loop(obj.get("rates", header.get("rates")),
+                                 header.get("workload_summary"))
+    return Recording(header, launches, syncs, nvml, loop_start, loop_end)
+
+
+def _loop(rates, summary) -> tuple[float | None, float | None]:
+    """When the timed loop began and ended: its first per-second line arrived
+    dt (and t) after the loop began; the summary says how long it ran."""
+    if isinstance(rates, dict):     # columns
+        names = list(rates)
+        rates = [dict(zip(names, row)) for row in _rows(rates, tuple(names))]
+    lines = [r for r in rates or [] if isinstance(r, dict)]
+    if isinstance(summary, str):
+        try:
+            summary = ast.literal_eval(summary)
+        except (ValueError, SyntaxError):
+            summary = None
+    if not isinstance(summary, dict):
+        summary = next((r for r in lines if r.get("summary")), None)
+    steps = [r for r in lines if not r.get("summary") and r.get("recv_us") is not None
+             and r.get("dt") is not None]
+    if not steps:
+        return None, None
+    first = steps[0]
+    start = (float(first["recv_us"]) / 1e6 - float(first.get("t") or 0.0)
+             - float(first["dt"]))
+    if summary and summary.get("seconds") is not None:
+        end = start + float(summary["seconds"])
+    else:
+        end = float(steps[-1]["recv_us"]) / 1e6
+    return start, end
 
 
 def load(path: str | Path) -> Recording:
@@ -513,15 +560,22 @@ class Report:
     below_total_s: float
     mode_changes: int
     debt_max: float
+    loop_mean: float | None = None      # mean ratio over the timed loop after LOOP_SETTLE_S
+    loop_below_longest_s: float | None = None   # ... longest run of its windows below cap - 10
+    loop_window: tuple | None = None    # (from, to): the run's seconds that loop_mean covers
+    loop_duty_share: float | None = None    # share of the steps in that window in DUTY mode
 
     def line(self) -> str:
         f = lambda v: "-" if v is None else f"{100 * v:5.1f}"  # noqa: E731
         return (f"{self.workload:<12} cap {self.cap if self.cap is not None else '-':>4}  "
                 f"mean {f(self.mean)}  duty-mean {f(self.duty_mean)}  "
+                f"loop-mean {f(self.loop_mean)}  "
                 f"in-duty {100 * self.duty_share:5.1f}%  holds {self.holds:5d} "
                 f"(sync {self.stops.get('sync', 0)}, launch {self.stops.get('launch', 0)}) "
                 f"longest {1000 * self.longest_hold:5.1f} ms  "
-                f"below-10 {self.below_longest_s:.0f} s (total {self.below_total_s:.0f} s)  "
+                f"below-10 {self.below_longest_s:.0f} s (total {self.below_total_s:.0f} s"
+                + ("" if self.loop_below_longest_s is None
+                   else f", loop {self.loop_below_longest_s:.0f} s") + ")  "
                 f"windows [{' '.join(f(r).strip() for r in self.ratios)}]")
 
 
@@ -540,10 +594,49 @@ def equivalent_time(run: Run, base: Run):
     return tau
 
 
-def compare(run: Run, base: Run) -> Report:
+def reached(run: Run, base: Run, t: float) -> float | None:
+    """When the run completed what the unthrottled base had completed at its
+    time t (None: it never did)."""
+    k = bisect.bisect_right(base.done_at, t)
+    if k == 0:
+        return 0.0
+    return run.done_at[k - 1] if k <= len(run.done_at) else None
+
+
+def _longest_below(ratios: list, cap: float | None) -> tuple[int, int]:
+    longest = total = run_len = 0
+    if cap is not None:
+        for r in ratios:
+            if r < (cap - 10) / 100.0:
+                run_len += 1
+                total += 1
+                longest = max(longest, run_len)
+            else:
+                run_len = 0
+    return longest, total
+
+
+def compare(run: Run, base: Run, loop: tuple[float, float] | None = None) -> Report:
+    """loop: (start, end) of the timed loop in the base's seconds (the
+    recording's loop_start and loop_end)."""
     tau = equivalent_time(run, base)
     windows = int(run.end + _EPS)
     ratios = [tau(w + 1) - tau(w) for w in range(windows)]
+    loop_mean = loop_below = loop_window = loop_duty = None
+    if loop is not None and loop[0] is not None:
+        began = reached(run, base, loop[0])
+        ended = reached(run, base, loop[1]) if loop[1] is not None else None
+        if began is not None:
+            lo, hi = began + LOOP_SETTLE_S, run.end if ended is None else ended
+            n = int(hi - lo + _EPS)
+            if n >= 1:
+                loop_window = (lo, hi)
+                loop_mean = (tau(hi) - tau(lo)) / (hi - lo)
+                loop_below = float(_longest_below(
+                    [tau(lo + i + 1) - tau(lo + i) for i in range(n)], run.cap)[0])
+                inside = [m for t, m in run.modes if lo <= t < hi]
+                loop_duty = (sum(1 for m in inside if m is duty.Mode.DUTY) / len(inside)
+                             if inside else 0.0)
     after = list(range(min(int(WARMUP_S), windows), windows))
     mean = (tau(windows) - tau(WARMUP_S)) / (windows - WARMUP_S) if windows > WARMUP_S else None
     mode_at = [(t, m) for t, m in run.modes]
@@ -554,15 +647,7 @@ def compare(run: Run, base: Run) -> Report:
     duty_mean = sum(ratios[w] for w in duty_w) / len(duty_w) if duty_w else None
     late = [m for t, m in mode_at if t >= WARMUP_S]
     duty_share = sum(1 for m in late if m is duty.Mode.DUTY) / len(late) if late else 0.0
-    longest = total = run_len = 0
-    if run.cap is not None:
-        for r in ratios:
-            if r < (run.cap - 10) / 100.0:
-                run_len += 1
-                total += 1
-                longest = max(longest, run_len)
-            else:
-                run_len = 0
+    longest, total = _longest_below(ratios, run.cap)
     lengths = [b - a for a, b in run.holds]
     return Report(workload=run.workload, cap=run.cap, seconds=run.end, finished=run.finished,
                   ratios=ratios, mean=mean, duty_mean=duty_mean, duty_share=duty_share,
@@ -570,7 +655,9 @@ def compare(run: Run, base: Run) -> Report:
                   held_share=sum(lengths) / run.end if run.end > 0 else 0.0,
                   stops=dict(run.stops), below_longest_s=float(longest),
                   below_total_s=float(total), mode_changes=run.mode_changes,
-                  debt_max=run.debt_max)
+                  debt_max=run.debt_max, loop_mean=loop_mean,
+                  loop_below_longest_s=loop_below, loop_window=loop_window,
+                  loop_duty_share=loop_duty)
 
 
 def fidelity(wl: Workload, base: Run) -> dict:
@@ -608,9 +695,12 @@ def main(argv: list[str] | None = None) -> int:
         fi = fidelity(wl, base)
         print(f"{wl.name}: recorded {fi['recorded_s']:.2f} s, replayed {fi['replayed_s']:.2f} s, "
               f"{fi['recorded_returns']} synchronize returns ({fi['replayed_returns']} replayed, "
-              f"drift {100 * fi['returns_drift']:.1f}%), lost {wl.lost}, nested {wl.nested}")
+              f"drift {100 * fi['returns_drift']:.1f}%), lost {wl.lost}, nested {wl.nested}"
+              + (f", timed loop {rec.loop_start:.2f}-{rec.loop_end:.2f} s"
+                 if rec.loop_start is not None else ""))
         for cap in caps:
-            print("  " + compare(replay_capped(wl, cap, horizon=a.horizon), base).line())
+            run = replay_capped(wl, cap, horizon=a.horizon)
+            print("  " + compare(run, base, (rec.loop_start, rec.loop_end)).line())
     return 0
 
 

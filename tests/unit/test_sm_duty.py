@@ -147,7 +147,9 @@ def test_a_prompt_group_runs_its_cap_share_of_the_time(cap, seed):
 
 # -- (e) groups are independent ----------------------------------------------------
 
-@given(seed=st.integers(0, 2**32 - 1), other_cap=caps, other_dev=st.integers(0, 3),
+# Another device only: on the same one a paced group that runs keeps a held
+# group waiting (their turns do not overlap; the next test).
+@given(seed=st.integers(0, 2**32 - 1), other_cap=caps, other_dev=st.integers(1, 3),
        steps=st.integers(10, 150))
 @settings(max_examples=100, deadline=None)
 def test_another_groups_observations_do_not_change_a_groups_decisions(
@@ -179,6 +181,32 @@ def test_another_groups_observations_do_not_change_a_groups_decisions(
             since = now
         elif since is not None and KEY[0] in a.release:
             since = None
+
+
+@pytest.mark.parametrize("other_dev", [0, 1])
+def test_a_held_group_waits_while_a_paced_group_runs_on_its_device(other_dev):
+    p, other = DutyPacer(), (1, other_dev)
+
+    def step(now, n, since, o):
+        extra = {"caps": {other: 99.0}, "use": {other: Use(o, o)}, "held": {}}
+        return p.step(obs(now, n, n, cap=50.0, held_since=since, extra=extra))
+    now, n = 0.0, 0
+    while step(now, n, None, n).keys[KEY].ask is Ask.NONE:
+        now, n = now + 0.01, n + 1
+    since, o = now, n
+    while True:     # group 0 held; group 1 synchronizes every 10 ms all the while
+        now, o = now + 0.01, o + 1
+        d = step(now, n, since, o)
+        if KEY[0] in d.release:
+            break
+    assert p.mode(other) is Mode.DUTY and d.keys[other].ask is Ask.NONE
+    if other_dev == KEY[1]:
+        # paid long before, it waited until MAX_HOLD_S
+        assert now - since == pytest.approx(duty.MAX_HOLD_S, abs=0.011)
+        assert KEY[0] in d.cut_short
+    else:
+        assert now - since < duty.MAX_HOLD_S / 2
+        assert KEY[0] not in d.cut_short
 
 
 # -- the mode switch ----------------------------------------------------------------
