@@ -1,6 +1,6 @@
 #!/bin/bash
 # End-to-end throughput and allocation latency, one device run (nvidia-h200,
-# carry .debs .device): a training step and an inference loop, bare (no
+# carry .debs): a training step and an inference loop, bare (no
 # daemon), observed (daemon, no limits), with a memory cap (32 GiB) and with an
 # SM cap (50); and, in one process, allocation + launch host time with no
 # daemon, with the daemon (memory cap in force), and with no daemon again.

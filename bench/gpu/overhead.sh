@@ -1,7 +1,7 @@
 #!/bin/bash
 # Probe overhead on the GPU, one run: bare, under the daemon (observing), and
 # under the daemon with a memory limit in force (admission on every alloc).
-# Usage (device tool): bash bench/gpu/overhead.sh   (carry: .debs .device)
+# Usage (device tool): bash bench/gpu/overhead.sh   (carry: .debs)
 GROUP_BY=pid
 . bench/gpu/prelude.sh
 python3 bench/gpu/overhead.py bare | tee "$OUT/overhead.jsonl"

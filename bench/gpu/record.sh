@@ -1,7 +1,7 @@
 #!/bin/bash
 # Record real workloads' libcuda launches and synchronizes (and NVML's view of
-# the GPU) for offline replay tests, one device run (nvidia-h200, carry .debs
-# .device); no daemon, nothing capped. bench/gpu/record.py's own small uprobe
+# the GPU) for offline replay tests, one device run (nvidia-h200, carry
+# .debs); no daemon, nothing capped. bench/gpu/record.py's own small uprobe
 # program, one workload at a time, each for REC_SECONDS of its timed loop
 # (plus its start-up, which is recorded too).
 # Usage: [RECORD="cnn_train llm_decode llm_prefill phased graph_replay"] [REC_SECONDS=10]

@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device run: bcc from carried .deb files, the daemon from this checkout
 # against the real libcuda, then the accounting and memory-limit workloads.
-# Usage (device tool): bash bench/gpu/run.sh   (carry: .debs .device)
+# Usage (device tool): bash bench/gpu/run.sh   (carry: .debs)
 # Results land in $OUT (or ./bench-out).
 GROUP_BY=pid
 . bench/gpu/prelude.sh

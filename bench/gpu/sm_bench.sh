@@ -1,5 +1,5 @@
 #!/bin/bash
-# SM limiting on one GPU, one device run (nvidia-h200, carry .debs .device):
+# SM limiting on one GPU, one device run (nvidia-h200, carry .debs):
 #   each workload uncapped, then capped at 25/50/75 (HAMi's CUDA_DEVICE_SM_LIMIT);
 #   two groups at 30/70 side by side (matmul, then small kernels);
 #   host time per launch: no probe vs launch probes attached (same process).

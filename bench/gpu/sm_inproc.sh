@@ -1,6 +1,6 @@
 #!/bin/bash
 # SM caps against the same process's own uncapped rate, one device run
-# (nvidia-h200, carry .debs .device). Each workload runs in its own group with
+# (nvidia-h200, carry .debs). Each workload runs in its own group with
 # no cap; after MARK seconds of windows it touches a file, the script gives the
 # group a cap in the policy file and the daemon re-reads it (SIGHUP). The
 # uncapped reference is the same process's windows before that (no launch

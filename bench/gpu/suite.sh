@@ -1,5 +1,5 @@
 #!/bin/bash
-# Real workloads under SM caps, one device run (nvidia-h200, carry .debs .device):
+# Real workloads under SM caps, one device run (nvidia-h200, carry .debs):
 # the daemon once (--sm-limits), then bench/gpu/suite_run.py: per workload an
 # uncapped reference and one run per cap, the service scenario (llm_decode
 # capped while members of its group come and go), pairs of groups side by side.

@@ -1,5 +1,5 @@
 #!/bin/bash
-# The reported failure in kind, on nvidia-h200-x2 (carry .debs .device): a TP=2
+# The reported failure in kind, on nvidia-h200-x2 (carry .debs): a TP=2
 # NCCL decode loop (matmul + all-reduce + a host sync per step), eager and
 # with CUDA graphs; each first uncapped (its own group, no churn: the
 # reference rate), then in group `tp` with a 40 GiB memory cap and
