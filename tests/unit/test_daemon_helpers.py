@@ -101,3 +101,33 @@ def test_a_controller_killed_while_holding_a_group_leaves_a_record_of_each_stop(
         for p in peers:
             p.kill()
             p.wait()
+
+
+def test_a_failing_sm_tick_releases_every_hold_and_the_loop_goes_on(tmp_path):
+    # SM pacing errs open: whatever goes wrong in a tick, every group it
+    # holds runs again, the error is counted and logged as an event, and the
+    # daemon's loop (memory enforcement) carries on.
+    from hami_bpf import enforce
+    from hami_bpf.config import DaemonConfig
+    from hami_bpf.daemon import Daemon
+    from hami_bpf.events import ProcessRegistered, ProcKey
+
+    p = subprocess.Popen(["sleep", "60"])
+    try:
+        d = Daemon(DaemonConfig(state_dir=str(tmp_path)))
+        d.stopped = enforce.StoppedSet(str(tmp_path))
+        d.table.apply(ProcessRegistered(ProcKey(p.pid, enforce.proc_start_time(p.pid)), "g"))
+        d.sm_caps["g"] = {0: 30}
+        os.kill(p.pid, 19)
+        d.stopped.add_many([(p.pid, enforce.proc_start_time(p.pid))], "SM cap of group g")
+        d.throttled["g"] = {p.pid}
+        d.throttle_since["g"] = 0.0
+        d._sm_failed(KeyError("sync_at"))
+        assert "g" not in d.throttled
+        assert enforce.proc_state(p.pid) not in ("T", "t")
+        assert d.counters["sm_errors"] == 1
+        ev = [e for e in d.events_log if e.kind == "error"]
+        assert ev and ev[-1].data["error"] == "KeyError"
+    finally:
+        p.kill()
+        p.wait()
