@@ -29,7 +29,7 @@ start_daemon --sm-limits -v ${DAEMON_ARGS:-}
 kill -0 "$DPID" 2>/dev/null || { echo "daemon did not start"; tail -20 "$OUT/daemon.log"; exit 1; }
 echo "daemon ready after $(( $(date +%s) - T0 )) s"
 : > "$OUT/suite.jsonl"
-BUDGET=${SUITE_BUDGET:-$(( 550 - ($(date +%s) - T0) ))}
+BUDGET=${SUITE_BUDGET:-$(( 540 - ($(date +%s) - T0) ))}
 python3 bench/gpu/suite_run.py --out "$OUT" --budget "$BUDGET"
 cleanup; trap - EXIT
 python3 bench/gpu/suite_summary.py "$OUT/suite.jsonl" --json "$OUT/summary.json" | tee "$OUT/summary.md"
