@@ -1,12 +1,14 @@
 #!/bin/bash
 # Real workloads under SM caps, one device run (nvidia-h200, carry .debs .device):
-# the daemon once (--sm-limits), then bench/gpu/suite_run.py: per workload an
-# uncapped reference and one run per cap, the service scenario (llm_decode
-# capped while members of its group come and go), pairs of groups side by side.
+# the daemon once (--sm-limits), then bench/gpu/suite_run.py: each workload's
+# uncapped reference, then one run per cap and workload, the service scenario
+# (llm_decode capped while members of its group come and go), pairs of groups
+# side by side.
 # Every ratio is against the same invocation's uncapped reference.
 # Usage: [QUICK=1] [WORKLOADS="cnn_train llm_decode ..."] [CAPS="25 50 75"]
 #        [PAIRS="cnn_train:llm_decode llm_prefill:cnn_train"] [SPLITS="30:70 50:50"]
 #        [SECTIONS="single service pair"] [SUITE_SECONDS=11] [SUITE_BUDGET=s]
+#        [ORDER=refs-first|per-workload]
 #        [DAEMON_ARGS=...] bash bench/gpu/suite.sh
 # Results in $OUT: suite.jsonl (raw, tagged lines), summary.md and summary.json
 # (bench/gpu/suite_summary.py), events.json (the daemon's events, JSON lines),

@@ -3,15 +3,20 @@
 the daemon and calls this). Every figure is taken against the same
 invocation's uncapped reference of the same workload.
 
+Order (ORDER): refs-first (default) measures every uncapped reference the
+invocation needs first, with no SM cap anywhere (so no launch probe either),
+then the capped runs; per-workload runs each workload's reference right
+before its capped runs, waiting for the capped processes before it to exit.
+
 Sections (SECTIONS, default "single service pair"):
-  single   per workload: uncapped reference (group base-<w>), then one run per
+  single   per workload: an uncapped reference (group base-<w>) and one run per
            cap in CAPS, each in its own group (cap<c>-<w>, CUDA_DEVICE_SM_LIMIT=<c>)
   service  llm_decode capped at SERVICE_CAP (50) while short-lived members of
            its group (workloads/churner.py) start and exit around it
   pair     for each "a:b" in PAIRS and each split "x:y" in SPLITS: a capped
            at x and b at y, in two groups, started together
-A workload that a pair or the service needs and that the single section did
-not measure gets its own uncapped reference first.
+A workload that a pair or the service needs and that the single section does
+not measure gets its own uncapped reference too.
 
 Environment: WORKLOADS, CAPS, PAIRS, SPLITS, SUITE_SECONDS (timed loop per run,
 default 11), SERVICE_CAP, QUICK=1 (caps 50 only, one pair at 30:70),
@@ -20,7 +25,11 @@ PIN=0 (no CPU pinning).
 
 Start-up overlaps: the next run's processes are started (on spare CPUs) while
 the current run is timed; they import their libraries and wait for a "go"
-file before touching the GPU (workloads/common.py). Each run: go -> all
+file before touching the GPU (workloads/common.py). Not during a reference
+run when the next one is capped: the daemon registers a process at cuInit,
+which some imports reach, and a capped group attaches the launch probes
+(~1 us per launch) that a reference must run without; and a reference starts
+only once the previous run's processes have exited (plus --detach-wait). Each run: go -> all
 ready (warm-up done, SETUP_LIMIT s at most) -> start -> exit (timed loop +
 EXIT_GRACE s at most, then SIGKILL). A run whose estimate would pass
 --budget seconds is skipped (and listed), so the command ends in time.
@@ -334,6 +343,12 @@ class Suite:
                 refs[w] = r.label
                 runs.append(r)
 
+        if a.order == "refs-first":
+            needed = (a.workloads if "single" in a.sections else []) + \
+                (["llm_decode"] if "service" in a.sections else []) + \
+                ([w for p in a.pairs for w in p.split(":")] if "pair" in a.sections else [])
+            for w in needed:
+                ensure_ref(w)
         if "single" in a.sections:
             for w in a.workloads:
                 ensure_ref(w)
@@ -363,12 +378,13 @@ class Suite:
         runs = self.plan()
         est = len(runs) * (a.seconds + a.per_run_overhead)
         self.say(f"{len(runs)} runs of {a.seconds:.0f} s; estimate {est:.0f} s; budget {a.budget:.0f} s")
-        self.write({"suite": True, "runs": [r.label for r in runs], "seconds": a.seconds,
+        self.write({"suite": True, "runs": [r.label for r in runs], "seconds": a.seconds, "order": a.order,
                     "workloads": a.workloads, "caps": a.caps, "pairs": a.pairs, "splits": a.splits,
                     "sections": a.sections, "pin": bool(self.cpus)})
         threading.Thread(target=self.nvml, daemon=True).start()
         try:
             todo = list(runs)
+            prev = None
             while todo:
                 run = todo.pop(0)
                 if run.procs[0].popen is None:
@@ -388,7 +404,24 @@ class Suite:
                     for p in run.procs:
                         self.kill(p.popen)
                     continue
-                self.execute(run, todo[0] if todo else None)
+                if run.kind == "ref" and prev is not None:
+                    # No capped process of the last run may linger (its group
+                    # keeps the daemon's launch probes attached) into a reference.
+                    for p in prev.procs:
+                        try:
+                            p.popen.wait(a.exit_grace)
+                        except subprocess.TimeoutExpired:
+                            self.kill(p.popen)
+                    if any(p.cap is not None for p in prev.procs):
+                        time.sleep(a.detach_wait)
+                nxt = todo[0] if todo else None
+                if run.kind == "ref" and nxt is not None and any(p.cap is not None for p in nxt.procs):
+                    # A capped process registers at cuInit, which some imports
+                    # reach: that would attach the launch probes during the
+                    # reference. Its imports wait until the reference is done.
+                    nxt = None
+                self.execute(run, nxt)
+                prev = run
         finally:
             self.stop_nvml.set()
             self.cleanup()
@@ -410,6 +443,8 @@ def main() -> int:
     ap.add_argument("--per-run-overhead", type=float, default=float(os.environ.get("RUN_OVERHEAD", "4.5")),
                     help="seconds a run takes beyond its timed loop, for the estimate")
     ap.add_argument("--churn-max", type=int, default=3, help="churners alive at once")
+    ap.add_argument("--detach-wait", type=float, default=1.5,
+                    help="seconds between a capped run's exit and a reference (launch probes detach)")
     a = ap.parse_args()
     quick = os.environ.get("QUICK", "0") not in ("", "0")
     a.seconds = float(os.environ.get("SUITE_SECONDS", "11"))
@@ -419,6 +454,9 @@ def main() -> int:
     a.splits = words("SPLITS", "30:70" if quick else "30:70 50:50")
     a.sections = words("SECTIONS", "single service pair")
     a.service_cap = int(os.environ.get("SERVICE_CAP", "50"))
+    a.order = os.environ.get("ORDER", "refs-first")
+    if a.order not in ("refs-first", "per-workload"):
+        ap.error("ORDER: refs-first or per-workload")
     for w in a.workloads + [x for p in a.pairs for x in p.split(":")]:
         if not os.path.exists(os.path.join(WDIR, f"{w}.py")):
             ap.error(f"no workload {w} (bench/gpu/workloads/{w}.py)")
