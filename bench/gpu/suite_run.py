@@ -29,7 +29,8 @@ file before touching the GPU (workloads/common.py). Not during a reference
 run when the next one is capped: the daemon registers a process at cuInit,
 which some imports reach, and a capped group attaches the launch probes
 (~1 us per launch) that a reference must run without; and a reference starts
-only once the previous run's processes have exited (plus --detach-wait). Each run: go -> all
+only once the previous run's processes have exited (plus --detach-wait).
+Any other run waits up to --exit-wait s for them. Each run: go -> all
 ready (warm-up done, SETUP_LIMIT s at most) -> start -> exit (timed loop +
 EXIT_GRACE s at most, then SIGKILL). A run whose estimate would pass
 --budget seconds is skipped (and listed), so the command ends in time.
@@ -404,15 +405,21 @@ class Suite:
                     for p in run.procs:
                         self.kill(p.popen)
                     continue
-                if run.kind == "ref" and prev is not None:
-                    # No capped process of the last run may linger (its group
-                    # keeps the daemon's launch probes attached) into a reference.
+                if prev is not None:
+                    # The last run's processes have printed their summaries and
+                    # are tearing down. A group still there can still count
+                    # for the daemon (a neighbour to take turns with): a moment
+                    # for them to go. Before a reference, none may linger: a
+                    # capped group keeps the launch probes attached.
+                    ref = run.kind == "ref"
+                    end = time.monotonic() + (a.exit_grace if ref else a.exit_wait)
                     for p in prev.procs:
                         try:
-                            p.popen.wait(a.exit_grace)
+                            p.popen.wait(max(0.0, end - time.monotonic()))
                         except subprocess.TimeoutExpired:
-                            self.kill(p.popen)
-                    if any(p.cap is not None for p in prev.procs):
+                            if ref:
+                                self.kill(p.popen)
+                    if ref and any(p.cap is not None for p in prev.procs):
                         time.sleep(a.detach_wait)
                 nxt = todo[0] if todo else None
                 if run.kind == "ref" and nxt is not None and any(p.cap is not None for p in nxt.procs):
@@ -443,6 +450,8 @@ def main() -> int:
     ap.add_argument("--per-run-overhead", type=float, default=float(os.environ.get("RUN_OVERHEAD", "4.5")),
                     help="seconds a run takes beyond its timed loop, for the estimate")
     ap.add_argument("--churn-max", type=int, default=3, help="churners alive at once")
+    ap.add_argument("--exit-wait", type=float, default=3.0,
+                    help="seconds to wait for the last run's processes to exit before the next run")
     ap.add_argument("--detach-wait", type=float, default=1.5,
                     help="seconds between a capped run's exit and a reference (launch probes detach)")
     a = ap.parse_args()
