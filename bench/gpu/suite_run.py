@@ -19,7 +19,7 @@ A workload that a pair or the service needs and that the single section does
 not measure gets its own uncapped reference too.
 
 Environment: WORKLOADS, CAPS, PAIRS, SPLITS, SUITE_SECONDS (timed loop per run,
-default 11), SERVICE_CAP, QUICK=1 (caps 50 only, one pair at 30:70),
+default 10), SERVICE_CAP, QUICK=1 (caps 50 only, one pair at 30:70),
 ARGS_<workload> (extra arguments, e.g. ARGS_cnn_train="--arch resnet18"),
 PIN=0 (no CPU pinning).
 
@@ -456,7 +456,7 @@ def main() -> int:
                     help="seconds between a capped run's exit and a reference (launch probes detach)")
     a = ap.parse_args()
     quick = os.environ.get("QUICK", "0") not in ("", "0")
-    a.seconds = float(os.environ.get("SUITE_SECONDS", "11"))
+    a.seconds = float(os.environ.get("SUITE_SECONDS", "10"))
     a.workloads = words("WORKLOADS", " ".join(ALL))
     a.caps = [int(c) for c in words("CAPS", "50" if quick else "25 50 75")]
     a.pairs = words("PAIRS", "cnn_train:llm_decode" if quick else "cnn_train:llm_decode llm_prefill:cnn_train")
