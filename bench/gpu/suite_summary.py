@@ -121,7 +121,7 @@ def analyze(lines, ref_lines, cap, skip, tol):
     for p, rate in own_phase.items():
         if p is not None and ref_phase.get(p):
             phases[p] = round(100.0 * rate / ref_phase[p], 1)
-    rates = [o["rate"] for o in lines if o["t"] >= skip]
+    rates = [o["rate"] for o in lines if o["t"] >= skip and o["dt"] >= 0.5]   # whole seconds
     return {
         "rate": own_all, "ref_rate": ref_all, "ratio": ratio, "target": target,
         "within": ratio is not None and abs(ratio - target) <= tol,
