@@ -327,7 +327,8 @@ class Recorder:
             "symbols": {"attached": self.attached, "missing": self.missing}, "sync_fns": SYNC_FNS,
             "lost": {"launch_bins": lost[0], "syncs": lost[1], "sync_enter": lost[2]},
             "nvml_realtime_offset_us": rt_off_us,
-            "nvml_clock": ("CLOCK_REALTIME (checked: samples fall within the recording)" if plausible
+            "nvml_clock": ("no samples" if not nv["t_us"] else
+                           "CLOCK_REALTIME (checked: samples fall within the recording)" if plausible
                            else "unknown: nvml.t_us may be meaningless, see nvml.ts_raw"),
             "exit": child.returncode,
             "workload_summary": summary,

@@ -1,12 +1,14 @@
 #!/bin/bash
 # Real workloads under SM caps, one device run (nvidia-h200, carry .debs):
-# the daemon once (--sm-limits), then bench/gpu/suite_run.py: per workload an
-# uncapped reference and one run per cap, the service scenario (llm_decode
-# capped while members of its group come and go), pairs of groups side by side.
+# the daemon once (--sm-limits), then bench/gpu/suite_run.py: each workload's
+# uncapped reference, then one run per cap and workload, the service scenario
+# (llm_decode capped while members of its group come and go), pairs of groups
+# side by side.
 # Every ratio is against the same invocation's uncapped reference.
 # Usage: [QUICK=1] [WORKLOADS="cnn_train llm_decode ..."] [CAPS="25 50 75"]
 #        [PAIRS="cnn_train:llm_decode llm_prefill:cnn_train"] [SPLITS="30:70 50:50"]
-#        [SECTIONS="single service pair"] [SUITE_SECONDS=11] [SUITE_BUDGET=s]
+#        [SECTIONS="single service pair"] [SUITE_SECONDS=10] [SUITE_BUDGET=s]
+#        [ORDER=refs-first|per-workload]
 #        [DAEMON_ARGS=...] bash bench/gpu/suite.sh
 # Results in $OUT: suite.jsonl (raw, tagged lines), summary.md and summary.json
 # (bench/gpu/suite_summary.py), events.json (the daemon's events, JSON lines),
@@ -29,7 +31,7 @@ start_daemon --sm-limits -v ${DAEMON_ARGS:-}
 kill -0 "$DPID" 2>/dev/null || { echo "daemon did not start"; tail -20 "$OUT/daemon.log"; exit 1; }
 echo "daemon ready after $(( $(date +%s) - T0 )) s"
 : > "$OUT/suite.jsonl"
-BUDGET=${SUITE_BUDGET:-$(( 550 - ($(date +%s) - T0) ))}
+BUDGET=${SUITE_BUDGET:-$(( 540 - ($(date +%s) - T0) ))}
 python3 bench/gpu/suite_run.py --out "$OUT" --budget "$BUDGET"
 cleanup; trap - EXIT
 python3 bench/gpu/suite_summary.py "$OUT/suite.jsonl" --json "$OUT/summary.json" | tee "$OUT/summary.md"

@@ -3,24 +3,34 @@
 the daemon and calls this). Every figure is taken against the same
 invocation's uncapped reference of the same workload.
 
+Order (ORDER): refs-first (default) measures every uncapped reference the
+invocation needs first, with no SM cap anywhere (so no launch probe either),
+then the capped runs; per-workload runs each workload's reference right
+before its capped runs, waiting for the capped processes before it to exit.
+
 Sections (SECTIONS, default "single service pair"):
-  single   per workload: uncapped reference (group base-<w>), then one run per
+  single   per workload: an uncapped reference (group base-<w>) and one run per
            cap in CAPS, each in its own group (cap<c>-<w>, CUDA_DEVICE_SM_LIMIT=<c>)
   service  llm_decode capped at SERVICE_CAP (50) while short-lived members of
            its group (workloads/churner.py) start and exit around it
   pair     for each "a:b" in PAIRS and each split "x:y" in SPLITS: a capped
            at x and b at y, in two groups, started together
-A workload that a pair or the service needs and that the single section did
-not measure gets its own uncapped reference first.
+A workload that a pair or the service needs and that the single section does
+not measure gets its own uncapped reference too.
 
 Environment: WORKLOADS, CAPS, PAIRS, SPLITS, SUITE_SECONDS (timed loop per run,
-default 11), SERVICE_CAP, QUICK=1 (caps 50 only, one pair at 30:70),
+default 10), SERVICE_CAP, QUICK=1 (caps 50 only, one pair at 30:70),
 ARGS_<workload> (extra arguments, e.g. ARGS_cnn_train="--arch resnet18"),
 PIN=0 (no CPU pinning).
 
 Start-up overlaps: the next run's processes are started (on spare CPUs) while
 the current run is timed; they import their libraries and wait for a "go"
-file before touching the GPU (workloads/common.py). Each run: go -> all
+file before touching the GPU (workloads/common.py). Not during a reference
+run when the next one is capped: the daemon registers a process at cuInit,
+which some imports reach, and a capped group attaches the launch probes
+(~1 us per launch) that a reference must run without; and a reference starts
+only once the previous run's processes have exited (plus --detach-wait).
+Any other run waits up to --exit-wait s for them. Each run: go -> all
 ready (warm-up done, SETUP_LIMIT s at most) -> start -> exit (timed loop +
 EXIT_GRACE s at most, then SIGKILL). A run whose estimate would pass
 --budget seconds is skipped (and listed), so the command ends in time.
@@ -334,6 +344,12 @@ class Suite:
                 refs[w] = r.label
                 runs.append(r)
 
+        if a.order == "refs-first":
+            needed = (a.workloads if "single" in a.sections else []) + \
+                (["llm_decode"] if "service" in a.sections else []) + \
+                ([w for p in a.pairs for w in p.split(":")] if "pair" in a.sections else [])
+            for w in needed:
+                ensure_ref(w)
         if "single" in a.sections:
             for w in a.workloads:
                 ensure_ref(w)
@@ -363,12 +379,13 @@ class Suite:
         runs = self.plan()
         est = len(runs) * (a.seconds + a.per_run_overhead)
         self.say(f"{len(runs)} runs of {a.seconds:.0f} s; estimate {est:.0f} s; budget {a.budget:.0f} s")
-        self.write({"suite": True, "runs": [r.label for r in runs], "seconds": a.seconds,
+        self.write({"suite": True, "runs": [r.label for r in runs], "seconds": a.seconds, "order": a.order,
                     "workloads": a.workloads, "caps": a.caps, "pairs": a.pairs, "splits": a.splits,
                     "sections": a.sections, "pin": bool(self.cpus)})
         threading.Thread(target=self.nvml, daemon=True).start()
         try:
             todo = list(runs)
+            prev = None
             while todo:
                 run = todo.pop(0)
                 if run.procs[0].popen is None:
@@ -388,7 +405,30 @@ class Suite:
                     for p in run.procs:
                         self.kill(p.popen)
                     continue
-                self.execute(run, todo[0] if todo else None)
+                if prev is not None:
+                    # The last run's processes have printed their summaries and
+                    # are tearing down. A group still there can still count
+                    # for the daemon (a neighbour to take turns with): a moment
+                    # for them to go. Before a reference, none may linger: a
+                    # capped group keeps the launch probes attached.
+                    ref = run.kind == "ref"
+                    end = time.monotonic() + (a.exit_grace if ref else a.exit_wait)
+                    for p in prev.procs:
+                        try:
+                            p.popen.wait(max(0.0, end - time.monotonic()))
+                        except subprocess.TimeoutExpired:
+                            if ref:
+                                self.kill(p.popen)
+                    if ref and any(p.cap is not None for p in prev.procs):
+                        time.sleep(a.detach_wait)
+                nxt = todo[0] if todo else None
+                if run.kind == "ref" and nxt is not None and any(p.cap is not None for p in nxt.procs):
+                    # A capped process registers at cuInit, which some imports
+                    # reach: that would attach the launch probes during the
+                    # reference. Its imports wait until the reference is done.
+                    nxt = None
+                self.execute(run, nxt)
+                prev = run
         finally:
             self.stop_nvml.set()
             self.cleanup()
@@ -410,15 +450,22 @@ def main() -> int:
     ap.add_argument("--per-run-overhead", type=float, default=float(os.environ.get("RUN_OVERHEAD", "4.5")),
                     help="seconds a run takes beyond its timed loop, for the estimate")
     ap.add_argument("--churn-max", type=int, default=3, help="churners alive at once")
+    ap.add_argument("--exit-wait", type=float, default=3.0,
+                    help="seconds to wait for the last run's processes to exit before the next run")
+    ap.add_argument("--detach-wait", type=float, default=1.5,
+                    help="seconds between a capped run's exit and a reference (launch probes detach)")
     a = ap.parse_args()
     quick = os.environ.get("QUICK", "0") not in ("", "0")
-    a.seconds = float(os.environ.get("SUITE_SECONDS", "11"))
+    a.seconds = float(os.environ.get("SUITE_SECONDS", "10"))
     a.workloads = words("WORKLOADS", " ".join(ALL))
     a.caps = [int(c) for c in words("CAPS", "50" if quick else "25 50 75")]
     a.pairs = words("PAIRS", "cnn_train:llm_decode" if quick else "cnn_train:llm_decode llm_prefill:cnn_train")
     a.splits = words("SPLITS", "30:70" if quick else "30:70 50:50")
     a.sections = words("SECTIONS", "single service pair")
     a.service_cap = int(os.environ.get("SERVICE_CAP", "50"))
+    a.order = os.environ.get("ORDER", "refs-first")
+    if a.order not in ("refs-first", "per-workload"):
+        ap.error("ORDER: refs-first or per-workload")
     for w in a.workloads + [x for p in a.pairs for x in p.split(":")]:
         if not os.path.exists(os.path.join(WDIR, f"{w}.py")):
             ap.error(f"no workload {w} (bench/gpu/workloads/{w}.py)")

@@ -121,7 +121,7 @@ def analyze(lines, ref_lines, cap, skip, tol):
     for p, rate in own_phase.items():
         if p is not None and ref_phase.get(p):
             phases[p] = round(100.0 * rate / ref_phase[p], 1)
-    rates = [o["rate"] for o in lines if o["t"] >= skip]
+    rates = [o["rate"] for o in lines if o["t"] >= skip and o["dt"] >= 0.5]   # whole seconds
     return {
         "rate": own_all, "ref_rate": ref_all, "ratio": ratio, "target": target,
         "within": ratio is not None and abs(ratio - target) <= tol,
@@ -156,7 +156,11 @@ def main():
         m = meta[key]
         lines = series[key]
         ref_lines = ref_of.get(m["ref"]) if m["ref"] else lines
-        res = analyze(lines, ref_lines or [], m["cap"], a.skip, a.tol)
+        skip = a.skip
+        if not any(o["t"] >= skip for o in lines) or not any(o["t"] >= skip for o in (ref_lines or [])):
+            skip = 0.0            # a run shorter than --skip: all of it
+        res = analyze(lines, ref_lines or [], m["cap"], skip, a.tol)
+        res["skip_s"] = skip
         util = [o["gpu"] for o in nvml.get(m["run"], []) if a.skip <= o.get("rt", 0) <= run_s]
         summ = summaries.get(key, {})
         row = {**m, **res, "gpu_util": round(statistics.mean(util), 1) if util else None,
@@ -190,6 +194,8 @@ def main():
             alone = [x for x in rows if x["kind"] == "cap" and x["w"] == r["w"] and x["cap"] == r["cap"]]
             if alone and alone[0].get("ratio") is not None:
                 notes.append(f"alone at the same cap {alone[0]['ratio']:.1f}%")
+        if r.get("skip_s") != a.skip:
+            notes.append("short: every interval counted")
         if r.get("gpu_setup_s") is not None:
             notes.append(f"set-up {r['gpu_setup_s']:.1f} s")
         ref_row = r["kind"] == "ref"

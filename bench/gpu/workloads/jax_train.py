@@ -25,7 +25,7 @@ def main():
     a = ap.parse_args()
     wait_go(a)
     dev = jax.devices()[0]
-    if dev.platform != "gpu":
+    if dev.platform not in ("gpu", "cuda"):
         raise SystemExit(f"jax_train: JAX's first device is {dev} (platform {dev.platform}), not a GPU")
     key = jax.random.PRNGKey(0)
     keys = jax.random.split(key, a.layers + 2)

@@ -30,6 +30,6 @@ def build_llama(a, device="cuda"):
     torch.manual_seed(0)
     with torch.device(device):
         model = LlamaForCausalLM(cfg)
-    model = model.to(dtype=torch.bfloat16).eval()
+    model = model.to(device=device, dtype=torch.bfloat16).eval()   # (a no-op move if built there)
     params = sum(p.numel() for p in model.parameters())
     return model, cfg, params
