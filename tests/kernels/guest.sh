@@ -2,7 +2,8 @@
 # Stage 2 of a guest boot (tests/kernels/init.sh hands over here, as PID 1, in
 # the host's root file system under a tmpfs overlay).
 #
-# $1 is the checkout. /hami-out is the host's result folder for this kernel:
+# $1 is the checkout, $2 the virtual environment. /hami-out is the host's
+# result folder for this kernel:
 #   in:  pytest.args  (pytest arguments, one a line), pytest2.args (optional
 #        second pass after raising lockdown to integrity), modroot (the folder
 #        to link as /lib/modules/$(uname -r)), guest.patch (optional experiment)
@@ -18,7 +19,7 @@ unset CI
 # The first daemon start's bound (tests/bpf/helpers.py derives every later
 # deadline from how long that start took).
 export HAMI_TEST_READY_TIMEOUT="${HAMI_TEST_READY_TIMEOUT:-900}"
-VENV="${HAMI_VENV:-/opt/hami-bpf/venv}"
+VENV="${2:-/opt/hami-bpf/venv}"   # the host's venv under test (make test-kernels VENV=...)
 
 off() { sync; echo o > /proc/sysrq-trigger; sleep 30; }
 trap off EXIT
