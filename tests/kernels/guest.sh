@@ -76,6 +76,7 @@ log "doctor --json: exit $?, $(( $(date +%s) - T0 )) s"
 
 mapfile -t ARGS < "$OUT/pytest.args"
 log "pytest ${ARGS[*]}"
+export HAMI_TEST_DOCTOR_JSON="$OUT/doctor.json"   # test_mechanisms.py reuses it
 T0=$(date +%s)
 "$VENV/bin/python" -m pytest -p no:cacheprovider -o junit_family=legacy --junitxml="$OUT/junit.xml" "${ARGS[@]}" \
     2>&1 | tee "$OUT/pytest.log"
@@ -89,6 +90,7 @@ if [ -s "$OUT/pytest2.args" ] && "$VENV/bin/python" -c 'import json,sys; sys.exi
         log "lockdown now: $(cat /sys/kernel/security/lockdown)"
         mapfile -t ARGS2 < "$OUT/pytest2.args"
         "$VENV/bin/hami-bpf" doctor --json > "$OUT/doctor2.json" 2>/dev/null
+        export HAMI_TEST_DOCTOR_JSON="$OUT/doctor2.json"
         "$VENV/bin/python" -m pytest -p no:cacheprovider -o junit_family=legacy --junitxml="$OUT/junit2.xml" "${ARGS2[@]}" \
             2>&1 | tee "$OUT/pytest2.log"
         log "lockdown pass: pytest exit ${PIPESTATUS[0]}"

@@ -32,6 +32,7 @@ failed or any row could not run.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import datetime as dt
 import gzip
 import json
@@ -64,6 +65,7 @@ PYTEST_ARGS = [
     "tests/bpf/test_core.py::test_byte_exact_accounting_per_process_and_group",
     "tests/bpf/test_core.py::test_groups_are_separate",
     "tests/bpf/test_core.py::test_moved_process_keeps_its_accounting",
+    "--durations=10",
 ]
 # Second pass in a guest whose kernel allows bpf_probe_write_user: lockdown is
 # raised to integrity at run time, so the fallback stop-write runs there too.
@@ -621,6 +623,48 @@ def summarize(rows: list[Row]) -> tuple[str, bool]:
 
 # -------------------------------------------------------------------- main
 
+def _save_row(row: Row) -> None:
+    row.outdir.mkdir(parents=True, exist_ok=True)
+    (row.outdir / "row.json").write_text(json.dumps({"how": row.how, "run": row.run,
+                                                     "error": row.error}))
+
+
+def run_guest(row: Row, k: Kernel, args) -> tuple[str, float]:
+    """Boot `k` and run the tests in it (a boot that fails is tried once more);
+    returns (what, seconds) for the timings."""
+    key = k.spec.key
+    t0 = time.monotonic()
+    try:
+        kvm, why = kvm_boots(k, CACHE / "k" / k.version / "kvm-probe")
+        accel = "kvm" if kvm else "tcg"
+        row.how = f"qemu {accel.upper()}" + ("" if kvm else f" ({why})")
+        log(f"{key}: {row.how}")
+        row.run = boot(k, row.outdir, accel, args.timeout, not args.no_lockdown_pass,
+                       args.guest_patch)
+        if row.run["boot_failure"]:
+            # Only a boot is retried: a failing test fails the row.
+            first_why = row.run["boot_failure"]
+            first = Path(f"{row.outdir}.attempt1")
+            log(f"{key}: the guest did not boot: {first_why}; booting it once more "
+                f"(first attempt kept in {first})")
+            shutil.rmtree(first, ignore_errors=True)
+            row.outdir.rename(first)
+            row.run = boot(k, row.outdir, accel, args.timeout, not args.no_lockdown_pass,
+                           args.guest_patch)
+            row.how += f", booted twice (first: {_short(first_why, 200)})"
+        if args.guest_patch:
+            row.how += f", with --guest-patch {args.guest_patch.name}"
+        if row.run["boot_failure"]:
+            row.error = f"guest did not boot: {row.run['boot_failure']}"
+        elif row.run["timed_out"]:
+            row.error = f"guest timed out after {args.timeout:g} s"
+    except Exception as e:  # a row that cannot run is reported, not hidden
+        row.error = f"{type(e).__name__}: {e}"
+        log(f"{key}: {row.error}")
+    _save_row(row)
+    return f"{key}: {row.how.split(' (')[0]}, boot and tests", time.monotonic() - t0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", action="append", default=[],
@@ -633,6 +677,8 @@ def main() -> int:
                     help="a patch (-p1) applied inside each guest only, to try a fix on a kernel "
                          "before committing it; the checkout is not touched")
     ap.add_argument("--report-only", action="store_true", help="print the table of the last run")
+    ap.add_argument("--jobs", type=int, default=int(os.environ.get("HAMI_KERNELS_JOBS", 2)),
+                    help="guests booted side by side (default 2)")
     ap.add_argument("--fetch-only", action="store_true",
                     help="download and extract the kernels and build their initramfs, then stop")
     args = ap.parse_args()
@@ -652,6 +698,7 @@ def main() -> int:
                 return 2
     apt = None
     timings: list[tuple[str, float]] = []
+    guests: list[tuple[Row, Kernel]] = []
     for spec in KERNELS:
         if spec.key not in want:
             continue
@@ -669,45 +716,20 @@ def main() -> int:
             k = fetch(apt, spec, version)
             build_initrd(k)
             timings.append((f"{spec.key}: fetch {version}", time.monotonic() - t0))
-            if args.fetch_only:
-                continue
-            t0 = time.monotonic()
-            kvm, why = kvm_boots(k, CACHE / "k" / version / "kvm-probe")
-            accel = "kvm" if kvm else "tcg"
-            row.how = f"qemu {accel.upper()}" + ("" if kvm else f" ({why})")
-            log(f"{spec.key}: {row.how}")
-            row.run = boot(k, row.outdir, accel, args.timeout, not args.no_lockdown_pass,
-                           args.guest_patch)
-            if row.run["boot_failure"]:
-                # Only a boot is retried: a failing test fails the row.
-                first_why = row.run["boot_failure"]
-                log(f"{spec.key}: the guest did not boot: {row.run['boot_failure']}; "
-                    f"booting it once more (first attempt kept in {row.outdir}.attempt1)")
-                first = Path(f"{row.outdir}.attempt1")
-                shutil.rmtree(first, ignore_errors=True)
-                row.outdir.rename(first)
-                row.run = boot(k, row.outdir, accel, args.timeout, not args.no_lockdown_pass,
-                               args.guest_patch)
-                row.how += f", booted twice (first: {_short(first_why, 200)})"
-            if args.guest_patch:
-                row.how += f", with --guest-patch {args.guest_patch.name}"
-            if row.run["boot_failure"]:
-                row.error = f"guest did not boot: {row.run['boot_failure']}"
-            elif row.run["timed_out"]:
-                row.error = f"guest timed out after {args.timeout:g} s"
-            timings.append((f"{spec.key}: {row.how.split(' (')[0]} boot and tests",
-                            time.monotonic() - t0))
+            guests.append((row, k))
         except Exception as e:  # a row that cannot run is reported, not hidden
             row.error = f"{type(e).__name__}: {e}"
             log(f"{spec.key}: {row.error}")
-        (row.outdir).mkdir(parents=True, exist_ok=True)
-        (row.outdir / "row.json").write_text(json.dumps({"how": row.how, "run": row.run,
-                                                         "error": row.error}))
+            _save_row(row)
     if args.fetch_only:
         for what, sec in timings:
             log(f"{what}: {sec:.0f} s")
-        bad = [r for r in rows if r.error]
-        return 1 if bad else 0
+        return 1 if any(r.error for r in rows) else 0
+    # The guests' work is mostly one compiler at a time: booting them side by
+    # side uses both CPUs of a small host.
+    with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        for got in pool.map(lambda rk: run_guest(*rk, args), guests):
+            timings.append(got)
     if "host" in want:
         row = Row("host", "host kernel, run directly (not booted in qemu)", "directly on the host",
                   results / "host")
