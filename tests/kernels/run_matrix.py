@@ -423,6 +423,7 @@ def boot_failure(outdir: Path, qemu_rc: int | None, timed_out: bool) -> str:
         console = (outdir / "console.log").read_text(errors="replace")
     except OSError:
         console = ""
+    console = re.sub(r"\x1b(\[[0-9;?]*[A-Za-z]|c)", "", console)   # the firmware's screen codes
     m = re.search(r"HAMI-GUEST-FAIL: [^\n]*", console)
     if m:
         return m.group(0).strip()
