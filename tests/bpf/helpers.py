@@ -139,8 +139,11 @@ def no_core_dumps() -> None:
 # ---------------------------------------------------------------- processes
 
 def stopped_pids() -> set[int]:
-    """Pids currently in state T (stopped) or t (tracing stop)."""
+    """Pids in state T (stopped) or t (tracing stop) among this test process's
+    descendants (every workload is one): a stopped process of anyone else on
+    the host is none of these tests' business."""
     out: set[int] = set()
+    parent: dict[int, int] = {}
     for d in os.listdir("/proc"):
         if not d.isdigit():
             continue
@@ -149,10 +152,24 @@ def stopped_pids() -> set[int]:
                 stat = f.read()
         except OSError:
             continue
-        state = stat.rpartition(")")[2].split()[0:1]
-        if state and state[0] in ("T", "t"):
+        fields = stat.rpartition(")")[2].split()
+        if len(fields) < 2:
+            continue
+        parent[int(d)] = int(fields[1])
+        if fields[0] in ("T", "t"):
             out.add(int(d))
-    return out
+    me = os.getpid()
+
+    def ours(pid: int) -> bool:
+        seen = 0
+        while pid > 1 and seen < 64:
+            pid = parent.get(pid, 0)
+            if pid == me:
+                return True
+            seen += 1
+        return False
+
+    return {pid for pid in out if ours(pid)}
 
 
 def describe_pids(pids: Iterable[int]) -> str:
@@ -282,6 +299,22 @@ class Daemon:
         self.returncode = self.proc.returncode
         return self.returncode
 
+    def wait_exit(self, timeout: float = 60) -> int:
+        """Wait for the daemon to exit (after a signal the test sent); `timeout`
+        base seconds, scaled. A killed daemon's exit includes the kernel
+        detaching every probe, which takes seconds even on an idle host."""
+        assert self.proc is not None
+        limit = self.deadlines.timeout(timeout)
+        t0 = time.monotonic()
+        try:
+            self.returncode = self.proc.wait(limit)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"daemon exit: pid {self.proc.pid} still there after {limit:.1f} s "
+                f"({self.deadlines.explain(timeout)}); waited "
+                f"{time.monotonic() - t0:.1f} s") from None
+        return self.returncode
+
     def new_stopped(self) -> set[int]:
         """Processes in state T that were not stopped before the daemon started."""
         return stopped_pids() - self.stopped_before
@@ -331,6 +364,17 @@ def finish_daemon(d: Daemon) -> None:
 
 # ------------------------------------------------------------ tracked procs
 
+class ScaledCudaProc(CudaProc):
+    """A CudaProc whose reply and wait timeouts are base seconds, scaled to
+    this machine (Deadlines); what Tracked workloads use."""
+
+    def reply(self, timeout: float = 10) -> dict[str, str]:
+        return super().reply(DEADLINES.timeout(timeout))
+
+    def wait(self, timeout: float | None = None) -> int:
+        return super().wait(None if timeout is None else DEADLINES.timeout(timeout))
+
+
 def _devices(devs: Mapping[str, Mapping]) -> dict[int, int]:
     """JSON devices -> {device: used_bytes}, zero entries dropped."""
     return {int(k): int(v["used_bytes"]) for k, v in devs.items() if int(v["used_bytes"])}
@@ -350,7 +394,7 @@ class Tracked:
     def spawn(cls, fake: FakeCuda, group: str, *, init: bool = True, device: int | None = 0,
               env: Mapping[str, str] | None = None, stderr=subprocess.DEVNULL) -> "Tracked":
         no_core_dumps()
-        t = cls(CudaProc(fake, env=proc_env(group, env), stderr=stderr), group)
+        t = cls(ScaledCudaProc(fake, env=proc_env(group, env), stderr=stderr), group)
         return t.started(init, device)
 
     def started(self, init: bool, device: int | None,
@@ -374,8 +418,9 @@ class Tracked:
         return self.proc.pid
 
     def cmd(self, line: str, timeout: float = 10) -> dict[str, str]:
-        """`line` to the process; its reply within `timeout` base seconds, scaled."""
-        return self.proc.cmd(line, DEADLINES.timeout(timeout))
+        """`line` to the process; its reply within `timeout` base seconds, scaled
+        (by ScaledCudaProc; a plain CudaProc waits `timeout`)."""
+        return self.proc.cmd(line, timeout)
 
     def ok(self, line: str, timeout: float = 10) -> dict[str, str]:
         """A command that must return rc=0."""
@@ -661,7 +706,7 @@ class Sampled:
 
     def _wait(self):
         try:
-            self.reply = self.p.reply(timeout=DEADLINES.timeout(120))
+            self.reply = self.p.reply(timeout=120)
         except FakeCudaError as e:   # the test killed it
             self.reply = {"error": str(e)}
 
