@@ -1,29 +1,48 @@
 # hami-bpf: `sudo make install && sudo hami-bpf run`; `sudo make test`.
 # VENV=/path selects another virtual environment (default /opt/hami-bpf/venv,
 # shared by every checkout on the host: the last `make install` owns it).
+#
+# install       what `hami-bpf run` needs, nothing more
+# install-test  that plus the test extras (pytest, hypothesis, ...) and tmux
+# test          the whole suite = test-unit + test-bpf, in one pytest run
+# test-unit     everything but tests/bpf and tests/kernels (no root needed)
+# test-bpf      tests/bpf and tests/kernels: real uprobes on this host
+# test-kernels  the BPF tests on other kernels booted in qemu (docs/kernels.md)
 SHELL := /bin/bash
 VENV ?= /opt/hami-bpf/venv
 PYTHON := $(VENV)/bin/python
 HAMI_HYPOTHESIS_EXAMPLES ?= 3000
 export HAMI_HYPOTHESIS_EXAMPLES
 
-.PHONY: install test demo clean
+.PHONY: install install-test test test-unit test-bpf test-kernels demo clean
 
 install:
 	HAMI_BPF_VENV=$(VENV) bash scripts/setup-host.sh
 
-# pytest's exit code 5 ("no tests collected") is a failure here.
-test: install
-	@rc=0; $(PYTHON) -m pytest tests -v -rs || rc=$$?; \
-	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; \
+install-test:
+	HAMI_BPF_VENV=$(VENV) bash scripts/setup-host.sh --test
+
+# pytest on $(1); its exit code 5 ("no tests collected") is a failure here.
+define pytest
+	@rc=0; $(PYTHON) -m pytest $(1) -v -rs || rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make $@: pytest collected no tests" >&2; exit 1; fi; \
 	exit $$rc
+endef
+
+test: install-test
+	$(call pytest,tests)
+
+test-unit: install-test
+	$(call pytest,tests --ignore=tests/bpf --ignore=tests/kernels)
+
+test-bpf: install-test
+	$(call pytest,tests/bpf tests/kernels)
 
 # BPF tests on other kernels: Debian's newest 7.x and 6.1 booted in qemu (TCG
 # where nested KVM fails), plus the host's kernel; see docs/kernels.md.
-.PHONY: test-kernels
-test-kernels: install
+test-kernels: install-test
 	bash tests/kernels/setup.sh
-	$(PYTHON) tests/kernels/run_matrix.py
+	VENV=$(VENV) $(PYTHON) tests/kernels/run_matrix.py
 
 demo: install
 	$(VENV)/bin/hami-bpf run

@@ -85,7 +85,11 @@ class SnapshotServer:
                 os.chmod(self.path, 0o600)
             st = os.stat(self.path)
             self._ino = (st.st_dev, st.st_ino)
-            sock.listen(16)
+            # Clients connect with a timeout, i.e. non-blocking: on a full
+            # backlog an AF_UNIX connect fails at once (EAGAIN) instead of
+            # waiting, so the backlog must outlast a burst while the accept
+            # thread is not scheduled (a loaded host).
+            sock.listen(socket.SOMAXCONN)
             sock.settimeout(0.2)  # lets the accept loop notice close()
         except OSError as e:
             sock.close()

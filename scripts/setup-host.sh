@@ -1,10 +1,12 @@
 #!/bin/bash
-# Prepare a Debian 12 / Ubuntu host to run and test hami-bpf.  Idempotent; run
-# as root (`sudo make install`).  Non-interactive.
+# Prepare a Debian 12 / Ubuntu host to run hami-bpf (`sudo make install`), or
+# to test it too (`--test`, which `make test` uses).  Idempotent; run as root.
+# Non-interactive.
 #
 #  1. Distribution packages: python3-bpfcc (bcc; the PyPI package named "bcc"
 #     is an unrelated project), python3-venv, gcc/make/binutils (the stand-in
-#     libcuda is compiled at run time), tmux (terminal tests), kernel headers.
+#     libcuda is compiled at run time), kernel headers; with --test also tmux
+#     (terminal tests).
 #  2. Kernel headers for bcc.  bcc compiles our BPF C at run time against
 #     /lib/modules/$(uname -r)/build.  When the running kernel has no headers
 #     package (custom or cloud kernels), we install the distribution's generic
@@ -17,8 +19,16 @@
 #     through it) and securityfs (so the lockdown mode can be read).
 #  4. A virtual environment at /opt/hami-bpf/venv on /usr/bin/python3 with
 #     --system-site-packages (so the distribution's bcc imports), this checkout
-#     installed editable with its [test] extras, and /usr/local/bin/hami-bpf.
+#     installed editable (with --test: with its [test] extras), and
+#     /usr/local/bin/hami-bpf.
 set -euo pipefail
+
+TEST=0
+case "${1:-}" in
+  --test) TEST=1 ;;
+  "") ;;
+  *) echo "usage: setup-host.sh [--test]" >&2; exit 2 ;;
+esac
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${HAMI_BPF_VENV:-/opt/hami-bpf/venv}"
@@ -58,7 +68,8 @@ apt_install() {
 }
 
 # -- 1. packages -----------------------------------------------------------
-apt_install python3-bpfcc python3-venv gcc make binutils libc6-dev tmux
+apt_install python3-bpfcc python3-venv gcc make binutils libc6-dev
+[ "$TEST" -eq 0 ] || apt_install tmux
 
 # -- 2. kernel headers -----------------------------------------------------
 MODDIR="/lib/modules/${KREL}"
@@ -111,14 +122,18 @@ if [ ! -x "${VENV}/bin/python" ]; then
   mkdir -p "$(dirname "$VENV")"
   /usr/bin/python3 -m venv --system-site-packages "$VENV"
 fi
-# Reinstall when the checkout or its dependencies change (the editable install
-# points at one checkout; a fresh clone must take it over).
+# Reinstall when the checkout, its dependencies or the extras change (the
+# editable install points at one checkout; a fresh clone must take it over).
+# An install with the test extras also satisfies a plain one.
 STAMP="${VENV}/.hami-bpf-installed"
-want="$(printf '%s\n' "$REPO" | cat - "$REPO/pyproject.toml" | sha256sum | cut -d' ' -f1)"
-if [ "$(cat "$STAMP" 2>/dev/null || true)" != "$want" ] \
+stamp_for() { printf '%s\n%s\n' "$REPO" "$1" | cat - "$REPO/pyproject.toml" | sha256sum | cut -d' ' -f1; }
+want_test="$(stamp_for test)"
+if [ "$TEST" -eq 1 ]; then want="$want_test"; target="${REPO}[test]"; else want="$(stamp_for run)"; target="${REPO}"; fi
+have="$(cat "$STAMP" 2>/dev/null || true)"
+if { [ "$have" != "$want" ] && [ "$have" != "$want_test" ]; } \
    || ! (cd / && "${VENV}/bin/python" -c "import hami_bpf, sys; sys.exit(0 if hami_bpf.__file__.startswith('${REPO}/') else 1)") 2>/dev/null; then
-  log "pip install -e ${REPO}[test] (a warning about /opt/pypi-more is harmless)"
-  "${VENV}/bin/python" -m pip install -q --disable-pip-version-check -e "${REPO}[test]"
+  log "pip install -e ${target}"
+  "${VENV}/bin/python" -m pip install -q --disable-pip-version-check -e "${target}"
   echo "$want" > "$STAMP"
 fi
 "${VENV}/bin/python" -c "import bcc" 2>/dev/null \

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import resource
 import select
 import shutil
@@ -30,16 +31,83 @@ from hami_bpf.enforce import proc_state
 from hami_bpf.fakecuda import CudaProc, FakeCuda, FakeCudaError
 from hami_bpf.server import ServerError, query
 
-READY_TIMEOUT = 60.0
-CONVERGE_TIMEOUT = 2.0
 GROUP_ENV = "HAMI_GROUP"
+
+# ---------------------------------------------------------------- deadlines
+#
+# Every deadline of these tests is derived here, from what this machine shows,
+# not from how fast some other machine was. The yardstick is a daemon start:
+# bcc compiling bpf_programs/hami.bpf.c takes ~5 s on an unloaded 2-core host
+# and minutes in an emulated (TCG) guest, and everything else slows alike.
+#
+#   * The first start in a pytest session may take FIRST_READY_TIMEOUT
+#     (env HAMI_TEST_READY_TIMEOUT, default 900 s).
+#   * Later starts may take READY_FACTOR x the slowest start so far (at least
+#     READY_FLOOR_S).
+#   * Every other timeout in the helpers (wait_for, converge, wait_registered,
+#     process commands, stop) is given in seconds for a machine where a start
+#     takes REFERENCE_READY_S, and is multiplied by scale() = slowest start /
+#     REFERENCE_READY_S (never below 1).
+FIRST_READY_TIMEOUT = float(os.environ.get("HAMI_TEST_READY_TIMEOUT", "900"))
+REFERENCE_READY_S = 4.0
+READY_FACTOR = 4.0
+READY_FLOOR_S = 60.0
+CONVERGE_TIMEOUT = 2.0   # base seconds, scaled
+
+
+class Deadlines:
+    """The one place deadlines are computed (module-wide: DEADLINES)."""
+
+    def __init__(self, first_ready_timeout: float = FIRST_READY_TIMEOUT, *,
+                 reference_ready_s: float = REFERENCE_READY_S,
+                 ready_factor: float = READY_FACTOR, ready_floor_s: float = READY_FLOOR_S):
+        self.first_ready_timeout = first_ready_timeout
+        self.reference_ready_s = reference_ready_s
+        self.ready_factor = ready_factor
+        self.ready_floor_s = ready_floor_s
+        self.slowest_ready: float | None = None   # seconds, of the starts so far
+
+    def saw_ready(self, seconds: float) -> None:
+        if self.slowest_ready is None or seconds > self.slowest_ready:
+            self.slowest_ready = seconds
+
+    def scale(self) -> float:
+        if self.slowest_ready is None:
+            return 1.0
+        return max(1.0, self.slowest_ready / self.reference_ready_s)
+
+    def ready_timeout(self) -> tuple[float, str]:
+        """(seconds a daemon start may take, where that bound comes from)."""
+        if self.slowest_ready is None:
+            return self.first_ready_timeout, \
+                "the first start in this session; HAMI_TEST_READY_TIMEOUT sets it"
+        t = max(self.ready_floor_s, self.ready_factor * self.slowest_ready)
+        return t, f"scaled from the slowest start so far, {self.slowest_ready:.1f} s"
+
+    def timeout(self, base: float) -> float:
+        """`base` seconds (right where a start takes reference_ready_s), here."""
+        return base * self.scale()
+
+    def explain(self, base: float) -> str:
+        if self.slowest_ready is None:
+            return f"{base:g} s unscaled: no daemon start measured yet"
+        return (f"{base:g} s x {self.scale():.1f}, scaled from the slowest daemon start "
+                f"so far, {self.slowest_ready:.1f} s")
+
+
+DEADLINES = Deadlines()
 
 
 def hami_bpf_bin() -> str:
-    """The `hami-bpf` entry point under test (override: HAMI_BPF_BIN)."""
+    """The `hami-bpf` entry point under test (override: HAMI_BPF_BIN): the one
+    next to the running Python first, so that `make test VENV=...` tests that
+    virtual environment's code."""
     env = os.environ.get("HAMI_BPF_BIN")
     if env:
         return env
+    beside = os.path.join(os.path.dirname(sys.executable), "hami-bpf")
+    if os.access(beside, os.X_OK):
+        return beside
     venv = "/opt/hami-bpf/venv/bin/hami-bpf"
     if os.access(venv, os.X_OK):
         return venv
@@ -71,8 +139,11 @@ def no_core_dumps() -> None:
 # ---------------------------------------------------------------- processes
 
 def stopped_pids() -> set[int]:
-    """Pids currently in state T (stopped) or t (tracing stop)."""
+    """Pids in state T (stopped) or t (tracing stop) among this test process's
+    descendants (every workload is one): a stopped process of anyone else on
+    the host is none of these tests' business."""
     out: set[int] = set()
+    parent: dict[int, int] = {}
     for d in os.listdir("/proc"):
         if not d.isdigit():
             continue
@@ -81,10 +152,24 @@ def stopped_pids() -> set[int]:
                 stat = f.read()
         except OSError:
             continue
-        state = stat.rpartition(")")[2].split()[0:1]
-        if state and state[0] in ("T", "t"):
+        fields = stat.rpartition(")")[2].split()
+        if len(fields) < 2:
+            continue
+        parent[int(d)] = int(fields[1])
+        if fields[0] in ("T", "t"):
             out.add(int(d))
-    return out
+    me = os.getpid()
+
+    def ours(pid: int) -> bool:
+        seen = 0
+        while pid > 1 and seen < 64:
+            pid = parent.get(pid, 0)
+            if pid == me:
+                return True
+            seen += 1
+        return False
+
+    return {pid for pid in out if ours(pid)}
 
 
 def describe_pids(pids: Iterable[int]) -> str:
@@ -125,15 +210,17 @@ class Daemon:
     def __init__(self, fake: FakeCuda, *, group_by: str = f"env:{GROUP_ENV}",
                  count_launches: bool = False, policy: str | os.PathLike | None = None,
                  oom_action: str | None = None, extra: Sequence[str] = (),
-                 workdir: str | os.PathLike | None = None):
+                 workdir: str | os.PathLike | None = None,
+                 deadlines: Deadlines | None = None, command: str | None = None):
         self.fake = fake
+        self.deadlines = deadlines or DEADLINES
         # AF_UNIX paths are limited to 108 bytes: keep the socket's dir short.
         self._own_workdir = workdir is None
         self.workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="hami-t-"))
         self.socket = str(self.workdir / "s.sock")
         self.state_dir = str(self.workdir / "state")
         self.stderr_path = self.workdir / "daemon.stderr"
-        self.argv = [hami_bpf_bin(), "run", "--libcuda", str(fake.libcuda),
+        self.argv = [command or hami_bpf_bin(), "run", "--libcuda", str(fake.libcuda),
                      "--socket", self.socket, "--state-dir", self.state_dir,
                      "--group-by", group_by, "--no-demo"]
         if count_launches:
@@ -149,7 +236,13 @@ class Daemon:
         self.ready_after: float | None = None
 
     # -- lifecycle --------------------------------------------------------
-    def start(self, ready_timeout: float = READY_TIMEOUT) -> "Daemon":
+    def start(self, ready_timeout: float | None = None) -> "Daemon":
+        """Start and wait for 'ready' (within the derived bound unless
+        `ready_timeout` is given) and for the control socket to answer."""
+        if ready_timeout is None:
+            ready_timeout, why = self.deadlines.ready_timeout()
+        else:
+            why = "given by the test"
         self.stopped_before = stopped_pids()
         err = open(self.stderr_path, "wb")
         try:
@@ -162,20 +255,24 @@ class Daemon:
         while True:
             if "ready" in self.log():
                 self.ready_after = time.monotonic() - t0
+                self.deadlines.saw_ready(self.ready_after)
                 break
             rc = self.proc.poll()
             if rc is not None:
                 self.returncode = rc
                 raise DaemonError(f"`{' '.join(self.argv)}` exited with {rc} before "
-                                  f"printing 'ready'; stderr:\n{self.log()[-4000:]}")
+                                  f"printing 'ready' ({time.monotonic() - t0:.1f} s after "
+                                  f"it started); stderr:\n{self.log()[-4000:]}")
             if time.monotonic() > deadline:
+                took = time.monotonic() - t0
                 self.stop()
-                raise DaemonError(f"no 'ready' on stderr within {ready_timeout:g}s; "
+                raise DaemonError(f"daemon start: no 'ready' within {ready_timeout:.4g} s "
+                                  f"({why}); gave up after {took:.1f} s; "
                                   f"stderr:\n{self.log()[-4000:]}")
             time.sleep(0.05)
         # 'ready' means probes are attached; the socket must answer too.
         wait_for(lambda: None if self._pings() else "socket does not answer", 10,
-                 what="control socket")
+                 what="daemon start: control socket", deadlines=self.deadlines)
         return self
 
     def _pings(self) -> bool:
@@ -186,19 +283,36 @@ class Daemon:
             return False
 
     def stop(self, timeout: float = 30) -> int:
-        """SIGTERM and wait; returns the exit status (SIGKILL after `timeout`)."""
+        """SIGTERM and wait; returns the exit status (SIGKILL after `timeout`
+        base seconds, scaled)."""
         if self.proc is None:
             return -1
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(timeout)
+                self.proc.wait(self.deadlines.timeout(timeout))
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
                 self.returncode = -9
                 return self.returncode
         self.returncode = self.proc.returncode
+        return self.returncode
+
+    def wait_exit(self, timeout: float = 60) -> int:
+        """Wait for the daemon to exit (after a signal the test sent); `timeout`
+        base seconds, scaled. A killed daemon's exit includes the kernel
+        detaching every probe, which takes seconds even on an idle host."""
+        assert self.proc is not None
+        limit = self.deadlines.timeout(timeout)
+        t0 = time.monotonic()
+        try:
+            self.returncode = self.proc.wait(limit)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"daemon exit: pid {self.proc.pid} still there after {limit:.1f} s "
+                f"({self.deadlines.explain(timeout)}); waited "
+                f"{time.monotonic() - t0:.1f} s") from None
         return self.returncode
 
     def new_stopped(self) -> set[int]:
@@ -224,12 +338,13 @@ class Daemon:
             return ""
 
     def snapshot(self, timeout: float = 5) -> dict:
-        return query(self.socket, "snapshot", timeout=timeout)
+        return query(self.socket, "snapshot", timeout=self.deadlines.timeout(timeout))
 
     def cli_json(self, command: str, *args: str) -> dict:
         """`hami-bpf <command> --json --socket SOCK [args]` parsed."""
         r = subprocess.run([hami_bpf_bin(), command, "--json", "--socket", self.socket, *args],
-                           capture_output=True, text=True, timeout=60)
+                           capture_output=True, text=True,
+                           timeout=self.deadlines.timeout(60))
         if r.returncode != 0:
             raise AssertionError(f"hami-bpf {command} --json exited {r.returncode}: "
                                  f"{r.stderr.strip()}")
@@ -248,6 +363,17 @@ def finish_daemon(d: Daemon) -> None:
 
 
 # ------------------------------------------------------------ tracked procs
+
+class ScaledCudaProc(CudaProc):
+    """A CudaProc whose reply and wait timeouts are base seconds, scaled to
+    this machine (Deadlines); what Tracked workloads use."""
+
+    def reply(self, timeout: float = 10) -> dict[str, str]:
+        return super().reply(DEADLINES.timeout(timeout))
+
+    def wait(self, timeout: float | None = None) -> int:
+        return super().wait(None if timeout is None else DEADLINES.timeout(timeout))
+
 
 def _devices(devs: Mapping[str, Mapping]) -> dict[int, int]:
     """JSON devices -> {device: used_bytes}, zero entries dropped."""
@@ -268,7 +394,7 @@ class Tracked:
     def spawn(cls, fake: FakeCuda, group: str, *, init: bool = True, device: int | None = 0,
               env: Mapping[str, str] | None = None, stderr=subprocess.DEVNULL) -> "Tracked":
         no_core_dumps()
-        t = cls(CudaProc(fake, env=proc_env(group, env), stderr=stderr), group)
+        t = cls(ScaledCudaProc(fake, env=proc_env(group, env), stderr=stderr), group)
         return t.started(init, device)
 
     def started(self, init: bool, device: int | None,
@@ -292,6 +418,8 @@ class Tracked:
         return self.proc.pid
 
     def cmd(self, line: str, timeout: float = 10) -> dict[str, str]:
+        """`line` to the process; its reply within `timeout` base seconds, scaled
+        (by ScaledCudaProc; a plain CudaProc waits `timeout`)."""
         return self.proc.cmd(line, timeout)
 
     def ok(self, line: str, timeout: float = 10) -> dict[str, str]:
@@ -444,10 +572,14 @@ def accounting_problems(snap: Mapping, procs: Sequence[Tracked], *,
 
 
 def wait_for(check: Callable[[], object], timeout: float = CONVERGE_TIMEOUT,
-             interval: float = 0.02, what: str = "condition") -> float:
+             interval: float = 0.02, what: str = "condition",
+             deadlines: Deadlines | None = None) -> float:
     """Poll `check` (falsy or empty = satisfied; else a description of what is
     still wrong) until satisfied; returns the seconds it took, raises
-    AssertionError with the last description after `timeout`."""
+    AssertionError with the last description after `timeout` base seconds,
+    scaled (see Deadlines)."""
+    deadlines = deadlines or DEADLINES
+    limit = deadlines.timeout(timeout)
     t0 = time.monotonic()
     last: object = None
     while True:
@@ -457,10 +589,13 @@ def wait_for(check: Callable[[], object], timeout: float = CONVERGE_TIMEOUT,
             last = f"socket: {e}"
         if not last:
             return time.monotonic() - t0
-        if time.monotonic() - t0 > timeout:
+        took = time.monotonic() - t0
+        if took > limit:
             if isinstance(last, (list, tuple)):
                 last = "\n  ".join(map(str, last))
-            raise AssertionError(f"{what} not reached within {timeout:g}s:\n  {last}")
+            raise AssertionError(f"{what}: not reached within {limit:.1f} s "
+                                 f"({deadlines.explain(timeout)}); gave up after "
+                                 f"{took:.1f} s:\n  {last}")
         time.sleep(interval)
 
 
@@ -473,7 +608,7 @@ def converge(d: Daemon, procs: Sequence[Tracked], timeout: float = CONVERGE_TIME
         box["snap"] = d.snapshot()
         return accounting_problems(box["snap"], procs, **kw)
 
-    wait_for(check, timeout, what="accounting")
+    wait_for(check, timeout, what="accounting", deadlines=d.deadlines)
     return box["snap"]
 
 
@@ -485,7 +620,7 @@ def wait_registered(d: Daemon, procs: Sequence[Tracked], timeout: float = CONVER
         missing = pids - listed
         return f"not registered: {sorted(missing)}" if missing else None
 
-    return wait_for(check, timeout, what="registration")
+    return wait_for(check, timeout, what="registration", deadlines=d.deadlines)
 
 
 # ------------------------------------------------------------- exit timing
@@ -511,13 +646,15 @@ def kill_and_time_removal(d: Daemon, t: Tracked, how: str, *, timeout: float = 5
             os.kill(pid, signal.SIGKILL)
         else:
             raise ValueError(how)
-        ready, _, _ = select.select([pidfd], [], [], 10)
+        limit = DEADLINES.timeout(10)
+        ready, _, _ = select.select([pidfd], [], [], limit)
         t_dead = time.monotonic()
-        assert ready, f"pid {pid} did not die within 10s after {how}"
+        assert ready, f"pid {pid} did not die within {limit:.1f} s after {how}"
     finally:
         os.close(pidfd)
     t.mark_dead()
-    deadline = t_dead + timeout
+    limit = DEADLINES.timeout(timeout)
+    deadline = t_dead + limit
     problems: list[str] = []
     while True:
         try:
@@ -537,7 +674,8 @@ def kill_and_time_removal(d: Daemon, t: Tracked, how: str, *, timeout: float = 5
                 return t_seen - t_dead, snap
         if t_seen > deadline:
             t.proc.wait(5)
-            raise AssertionError(f"pid {pid} ({how}) not removed within {timeout:g}s: "
+            raise AssertionError(f"pid {pid} ({how}) not removed within {limit:.1f} s "
+                                 f"({DEADLINES.explain(timeout)}): "
                                  + "; ".join(problems))
         # no sleep: poll as fast as the socket answers
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import (Daemon, Tracked, converge, finish_daemon, gname, hami_bpf_bin, stopped_pids,
+from helpers import (DEADLINES, Daemon, Tracked, converge, finish_daemon, gname, hami_bpf_bin, stopped_pids,
                      wait_for, wait_registered)
 
 pytestmark = pytest.mark.bpf
@@ -360,18 +360,20 @@ def test_sigkilled_daemon_leaves_no_process_stopped(fakecuda, lim_policy, workdi
             t.proc.send("stress 4 200000 4096")
         time.sleep(0.3)
         d.proc.send_signal(signal.SIGKILL)
-        d.proc.wait(10)
+        d.wait_exit()
         # The kernel detached the probes; processes the dead daemon's probes
         # stopped stay stopped until a new daemon finishes their calls.
         d2 = Daemon(fakecuda, policy=lim_policy, workdir=workdir)
         d2.start()
         try:
-            deadline = time.monotonic() + 2.0
+            limit = DEADLINES.timeout(2.0)
+            deadline = time.monotonic() + limit
             while time.monotonic() < deadline and stopped_pids() & {t.pid for t in procs}:
                 time.sleep(0.05)
             stopped = stopped_pids() & {t.pid for t in procs}
             states = {t.pid: proc_state(t.pid) for t in procs}
-            assert not stopped, f"left stopped 2 s after a restart: {states}; " \
+            assert not stopped, f"left stopped {limit:.1f} s ({DEADLINES.explain(2.0)}) " \
+                                f"after a restart: {states}; " \
                                 f"daemon stderr tail:\n{d2.log()[-1500:]}"
             # Every call is answered. Calls made while no daemon was attached
             # ran unprobed (fail-open: rc 0); the rest were refused.
@@ -395,7 +397,7 @@ def test_dead_daemon_does_not_stop_fresh_process(fakecuda, lim_policy, workdir):
     policy allowed is neither stopped nor refused."""
     d = Daemon(fakecuda, policy=lim_policy, workdir=workdir).start()
     d.proc.send_signal(signal.SIGKILL)
-    d.proc.wait(10)
+    d.wait_exit()
     with Tracked.spawn(fakecuda, gname("limD")) as t:
         t.alloc(f"alloc {POLICY_LIM}", 0)
         t.alloc("alloc 1M", 0)

@@ -15,7 +15,7 @@ import pytest
 
 from hami_bpf.fakecuda import CudaProc, build
 from hami_bpf.enforce import proc_state
-from helpers import (Daemon, Launching, Tracked, finish_daemon, gname, launch_probes,
+from helpers import (DEADLINES, Daemon, Launching, Tracked, finish_daemon, gname, launch_probes,
                      stopped_pids, wait_for)
 
 pytestmark = pytest.mark.bpf
@@ -108,16 +108,18 @@ def test_sigkill_daemon_while_throttled_then_restart_leaves_none_stopped(tmp_pat
         wait_for(lambda: None if any(proc_state(p.pid) == "T" for p in procs) else "not throttled yet",
                  10, what="a throttle stop")
         d.proc.send_signal(signal.SIGKILL)
-        d.proc.wait(10)
+        d.wait_exit()
         # The new daemon ignores the env caps, so any stop left 2 s after its
         # start is one the dead daemon left behind, not a new throttle.
         d2 = Daemon(fakecuda, workdir=d.workdir, extra=["--no-env-limits"]).start()
         try:
-            deadline = time.monotonic() + 2.0
+            limit = DEADLINES.timeout(2.0)
+            deadline = time.monotonic() + limit
             while time.monotonic() < deadline and {p.pid for p in procs} & stopped_pids():
                 time.sleep(0.05)
             left = {p.pid for p in procs} & stopped_pids()
-            assert not left,  f"left stopped 2 s after restart: {left}\n{d2.log()[-1500:]}"
+            assert not left,  f"left stopped {limit:.1f} s ({DEADLINES.explain(2.0)}) after " \
+                              f"restart: {left}\n{d2.log()[-1500:]}"
             for r in runs:   # and they finish their work
                 r.t.join(60)
                 assert r.reply and r.reply.get("rc") == "0", r.reply
@@ -154,10 +156,11 @@ def test_a_burst_of_signals_still_shuts_down_and_resumes_every_hold(tmp_path):
                 break
             i += 1
         try:
-            rc = d.proc.wait(20)
+            rc = d.proc.wait(DEADLINES.timeout(20))
         except Exception:
             d.proc.kill()
-            raise AssertionError(f"daemon still running 20 s after the signals\n{d.log()[-1500:]}")
+            raise AssertionError(f"daemon still running {DEADLINES.timeout(20):.1f} s after the "
+                                 f"signals\n{d.log()[-1500:]}")
         assert rc == 0, d.log()[-1500:]
         assert "stopped" in d.log().splitlines()[-1], d.log()[-1500:]
         assert p.pid not in stopped_pids(), "the daemon left its hold in place"

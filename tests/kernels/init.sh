@@ -5,8 +5,9 @@
 # dependency order), mounts the host's root file system (shared read-only by
 # qemu as 9p tag `hostroot`) under an overlay whose writes go to a tmpfs,
 # mounts the writable result folder (tag `hamiout`) at /hami-out, and hands
-# over to the checkout's tests/kernels/guest.sh (argument: the repository
-# path from `hami.repo=` on the kernel command line).
+# over to the checkout's tests/kernels/guest.sh (arguments: the repository
+# path and the virtual environment, from `hami.repo=` and `hami.venv=` on the
+# kernel command line).
 #
 # `hami.probe=1` on the command line: print a marker and power off at once
 # (run_matrix.py uses it to find out whether KVM boots this kernel).
@@ -23,6 +24,7 @@ fail() { echo "HAMI-GUEST-FAIL: $*"; off; }
 for arg in $(cat /proc/cmdline); do
     case "$arg" in
         hami.repo=*) REPO="${arg#hami.repo=}" ;;
+        hami.venv=*) VENV="${arg#hami.venv=}" ;;
         hami.probe=1) PROBE=1 ;;
     esac
 done
@@ -45,5 +47,5 @@ mkdir -p /newroot/hami-out
 mount -t 9p -o trans=virtio,version=9p2000.L,msize=262144 hamiout /newroot/hami-out \
     || fail "mounting the result folder"
 [ -n "$REPO" ] || fail "no hami.repo= on the kernel command line"
-exec switch_root /newroot /bin/bash "$REPO/tests/kernels/guest.sh" "$REPO"
+exec switch_root /newroot /bin/bash "$REPO/tests/kernels/guest.sh" "$REPO" "$VENV"
 fail "switch_root"

@@ -20,6 +20,11 @@ For each guest kernel:
      writes the results to a shared folder.
 The host row runs the same tests directly (the host's own kernel is not booted).
 
+`--fetch-only` does steps 1-2 and stops (.ci/run runs it in the background
+while the host's tests run). A guest that fails to boot (no /init, or init.sh
+could not hand over to guest.sh) is booted once more; a test that fails is not
+retried. How long each step took goes to results/timings.txt.
+
 Prints a table kernel x mechanism -> passed / skipped (reason) / failed and
 writes it to /var/cache/hami-bpf/kernels/results/table.md. Exit status 1 if any test
 failed or any row could not run.
@@ -27,6 +32,7 @@ failed or any row could not run.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import datetime as dt
 import gzip
 import json
@@ -47,6 +53,9 @@ REPO = HERE.parents[1]
 # the checkout, so that nothing of it can be committed; kept between runs.
 CACHE = Path(os.environ.get("HAMI_KERNELS_CACHE", "/var/cache/hami-bpf/kernels"))
 VENV = Path(os.environ.get("VENV", "/opt/hami-bpf/venv"))
+# Seconds from starting qemu to guest.sh's first line: generous, since under
+# TCG on a loaded host a boot takes minutes; a hung boot is retried once.
+BOOT_TIMEOUT = float(os.environ.get("HAMI_KERNELS_BOOT_TIMEOUT", 900))
 
 # What runs in every row (kept small: bcc compiles are slow under TCG).
 PYTEST_ARGS = [
@@ -56,6 +65,7 @@ PYTEST_ARGS = [
     "tests/bpf/test_core.py::test_byte_exact_accounting_per_process_and_group",
     "tests/bpf/test_core.py::test_groups_are_separate",
     "tests/bpf/test_core.py::test_moved_process_keeps_its_accounting",
+    "--durations=10",
 ]
 # Second pass in a guest whose kernel allows bpf_probe_write_user: lockdown is
 # raised to integrity at run time, so the fallback stop-write runs there too.
@@ -303,7 +313,8 @@ def build_initrd(k: Kernel) -> Path:
 
 def qemu_cmd(k: Kernel, accel: str, outdir: Path, extra_append: str = "",
              mem: str = "6G", smp: int = 2) -> list[str]:
-    append = (f"console=ttyS0 panic=-1 quiet loglevel=4 hami.repo={REPO} {extra_append}").strip()
+    append = (f"console=ttyS0 panic=-1 quiet loglevel=4 hami.repo={REPO} hami.venv={VENV} "
+              f"{extra_append}").strip()
     cmd = ["qemu-system-x86_64", "-machine", "q35", "-m", mem, "-smp", str(smp),
            "-nographic", "-no-reboot", "-nodefaults", "-serial", "stdio",
            "-kernel", str(k.vmlinuz), "-initrd", str(k.initrd), "-append", append,
@@ -362,13 +373,18 @@ def boot(k: Kernel, outdir: Path, accel: str, timeout: float, lockdown_pass: boo
     p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, errors="replace", bufsize=1)
     timed_out = False
+    # A guest that hangs before guest.sh is given up on early (it is booted
+    # again); once guest.sh runs, the tests get the whole `timeout`.
+    in_guest_sh = False
     try:
         deadline = t0 + timeout
+        boot_deadline = t0 + min(timeout, BOOT_TIMEOUT)
         import selectors
         sel = selectors.DefaultSelector()
         sel.register(p.stdout, selectors.EVENT_READ)
         while True:
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline or (not in_guest_sh and now > boot_deadline):
                 timed_out = True
                 p.kill()
                 break
@@ -381,6 +397,7 @@ def boot(k: Kernel, outdir: Path, accel: str, timeout: float, lockdown_pass: boo
                 break
             console.write(line)
             console.flush()
+            in_guest_sh = in_guest_sh or "hami-guest: " in line
             s = line.rstrip("\r\n")
             if s and not s.startswith("\x1b"):
                 print(f"  [{k.spec.key}] {s}", flush=True)
@@ -391,10 +408,32 @@ def boot(k: Kernel, outdir: Path, accel: str, timeout: float, lockdown_pass: boo
             p.kill()
             p.wait()
     took = time.monotonic() - t0
-    res = {"accel": accel, "seconds": round(took), "timed_out": timed_out, "qemu_rc": p.returncode}
+    res = {"accel": accel, "seconds": round(took), "timed_out": timed_out, "qemu_rc": p.returncode,
+           "boot_failure": boot_failure(outdir, p.returncode, timed_out)}
     log(f"{k.spec.key}: guest finished in {took:.0f} s (qemu exit {p.returncode}"
         f"{', TIMED OUT' if timed_out else ''})")
     return res
+
+
+def boot_failure(outdir: Path, qemu_rc: int | None, timed_out: bool) -> str:
+    """Why the guest never reached tests/kernels/guest.sh ("" when it did)."""
+    if (outdir / "guest.log").exists():
+        return ""
+    try:
+        console = (outdir / "console.log").read_text(errors="replace")
+    except OSError:
+        console = ""
+    console = re.sub(r"\x1b(\[[0-9;?]*[A-Za-z]|c)", "", console)   # the firmware's screen codes
+    m = re.search(r"HAMI-GUEST-FAIL: [^\n]*", console)
+    if m:
+        return m.group(0).strip()
+    tail = " | ".join(ln.strip() for ln in console.strip().splitlines()[-3:]) or "no console output"
+    if "HAMI-GUEST-BOOTED" not in console:
+        why = "the kernel did not reach /init"
+    else:
+        why = "/init did not hand over to guest.sh"
+    how = "timed out" if timed_out else f"qemu exit {qemu_rc}"
+    return f"{why} ({how}; console: {tail[-300:]})"
 
 
 def run_host(outdir: Path, timeout: float) -> dict:
@@ -585,6 +624,48 @@ def summarize(rows: list[Row]) -> tuple[str, bool]:
 
 # -------------------------------------------------------------------- main
 
+def _save_row(row: Row) -> None:
+    row.outdir.mkdir(parents=True, exist_ok=True)
+    (row.outdir / "row.json").write_text(json.dumps({"how": row.how, "run": row.run,
+                                                     "error": row.error}))
+
+
+def run_guest(row: Row, k: Kernel, args) -> tuple[str, float]:
+    """Boot `k` and run the tests in it (a boot that fails is tried once more);
+    returns (what, seconds) for the timings."""
+    key = k.spec.key
+    t0 = time.monotonic()
+    try:
+        kvm, why = kvm_boots(k, CACHE / "k" / k.version / "kvm-probe")
+        accel = "kvm" if kvm else "tcg"
+        row.how = f"qemu {accel.upper()}" + ("" if kvm else f" ({why})")
+        log(f"{key}: {row.how}")
+        row.run = boot(k, row.outdir, accel, args.timeout, not args.no_lockdown_pass,
+                       args.guest_patch)
+        if row.run["boot_failure"]:
+            # Only a boot is retried: a failing test fails the row.
+            first_why = row.run["boot_failure"]
+            first = Path(f"{row.outdir}.attempt1")
+            log(f"{key}: the guest did not boot: {first_why}; booting it once more "
+                f"(first attempt kept in {first})")
+            shutil.rmtree(first, ignore_errors=True)
+            row.outdir.rename(first)
+            row.run = boot(k, row.outdir, accel, args.timeout, not args.no_lockdown_pass,
+                           args.guest_patch)
+            row.how += f", booted twice (first: {_short(first_why, 200)})"
+        if args.guest_patch:
+            row.how += f", with --guest-patch {args.guest_patch.name}"
+        if row.run["boot_failure"]:
+            row.error = f"guest did not boot: {row.run['boot_failure']}"
+        elif row.run["timed_out"]:
+            row.error = f"guest timed out after {args.timeout:g} s"
+    except Exception as e:  # a row that cannot run is reported, not hidden
+        row.error = f"{type(e).__name__}: {e}"
+        log(f"{key}: {row.error}")
+    _save_row(row)
+    return f"{key}: {row.how.split(' (')[0]}, boot and tests", time.monotonic() - t0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", action="append", default=[],
@@ -597,6 +678,10 @@ def main() -> int:
                     help="a patch (-p1) applied inside each guest only, to try a fix on a kernel "
                          "before committing it; the checkout is not touched")
     ap.add_argument("--report-only", action="store_true", help="print the table of the last run")
+    ap.add_argument("--jobs", type=int, default=int(os.environ.get("HAMI_KERNELS_JOBS", 2)),
+                    help="guests booted side by side (default 2)")
+    ap.add_argument("--fetch-only", action="store_true",
+                    help="download and extract the kernels and build their initramfs, then stop")
     args = ap.parse_args()
     if os.geteuid() != 0:
         print("test-kernels: needs root (BPF on the host, qemu's 9p export of /)", file=sys.stderr)
@@ -613,6 +698,8 @@ def main() -> int:
                       "busybox-static cpio kmod xz-utils zstd file)", file=sys.stderr)
                 return 2
     apt = None
+    timings: list[tuple[str, float]] = []
+    guests: list[tuple[Row, Kernel]] = []
     for spec in KERNELS:
         if spec.key not in want:
             continue
@@ -621,6 +708,7 @@ def main() -> int:
         if args.report_only:
             continue
         try:
+            t0 = time.monotonic()
             if apt is None:
                 apt = Apt(CACHE / "apt")
                 apt.update()
@@ -628,31 +716,32 @@ def main() -> int:
             version = resolve(apt, spec, names)
             k = fetch(apt, spec, version)
             build_initrd(k)
-            kvm, why = kvm_boots(k, CACHE / "k" / version / "kvm-probe")
-            accel = "kvm" if kvm else "tcg"
-            row.how = f"qemu {accel.upper()}" + ("" if kvm else f" ({why})")
-            log(f"{spec.key}: {row.how}")
-            row.run = boot(k, row.outdir, accel, args.timeout, not args.no_lockdown_pass,
-                           args.guest_patch)
-            if args.guest_patch:
-                row.how += f", with --guest-patch {args.guest_patch.name}"
-            if row.run["timed_out"]:
-                row.error = f"guest timed out after {args.timeout:g} s"
+            timings.append((f"{spec.key}: fetch {version}", time.monotonic() - t0))
+            guests.append((row, k))
         except Exception as e:  # a row that cannot run is reported, not hidden
             row.error = f"{type(e).__name__}: {e}"
             log(f"{spec.key}: {row.error}")
-        (row.outdir).mkdir(parents=True, exist_ok=True)
-        (row.outdir / "row.json").write_text(json.dumps({"how": row.how, "run": row.run,
-                                                         "error": row.error}))
+            _save_row(row)
+    if args.fetch_only:
+        for what, sec in timings:
+            log(f"{what}: {sec:.0f} s")
+        return 1 if any(r.error for r in rows) else 0
+    # The guests' work is mostly one compiler at a time: booting them side by
+    # side uses both CPUs of a small host.
+    with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        for got in pool.map(lambda rk: run_guest(*rk, args), guests):
+            timings.append(got)
     if "host" in want:
         row = Row("host", "host kernel, run directly (not booted in qemu)", "directly on the host",
                   results / "host")
         rows.append(row)
         if not args.report_only:
+            t0 = time.monotonic()
             try:
                 row.run = run_host(row.outdir, args.timeout)
             except Exception as e:
                 row.error = f"{type(e).__name__}: {e}"
+            timings.append(("host: tests", time.monotonic() - t0))
             (row.outdir / "row.json").write_text(json.dumps({"how": row.how, "run": row.run,
                                                              "error": row.error}))
     if args.report_only:
@@ -672,6 +761,9 @@ def main() -> int:
     text = head + "\n\n" + table + "\n"
     results.mkdir(parents=True, exist_ok=True)
     (results / "table.md").write_text(text)
+    if not args.report_only:
+        (results / "timings.txt").write_text(
+            "".join(f"{what}\t{sec:.0f}\n" for what, sec in timings))
     print("\n" + text)
     print(f"test-kernels: {'all rows passed' if ok else 'FAILED'} "
           f"(details: {results}/<row>/pytest.log, console.log)")
