@@ -7,7 +7,7 @@
   is skipped with the reason -- except under CI (env CI=true), where a missing
   capability FAILS the test, so that CI cannot pass by skipping everything.
 * ``@pytest.mark.tmux``: needs the tmux binary; same skip/fail rule.
-* Hypothesis: ``HAMI_HYPOTHESIS_EXAMPLES`` (set by `make test`) sets
+* Hypothesis: no deadline per example; ``HAMI_HYPOTHESIS_EXAMPLES`` (set by `make test`) sets
   max_examples for every property test; no deadline under that profile.
 """
 from __future__ import annotations
@@ -30,11 +30,12 @@ def _in_ci() -> bool:
 try:  # hypothesis is a test extra; unit tests that need it import it themselves
     from hypothesis import settings as _hyp_settings
 
+    # No per-example deadline, ever: tests assert behaviour, not speed, and a
+    # loaded host runs an example slower than Hypothesis's 200 ms default.
     _examples = os.environ.get("HAMI_HYPOTHESIS_EXAMPLES")
-    if _examples:
-        _hyp_settings.register_profile(
-            "hami", max_examples=int(_examples), deadline=None)
-        _hyp_settings.load_profile("hami")
+    _hyp_settings.register_profile(
+        "hami", deadline=None, **({"max_examples": int(_examples)} if _examples else {}))
+    _hyp_settings.load_profile("hami")
 except ImportError:  # pragma: no cover
     pass
 
