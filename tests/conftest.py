@@ -8,7 +8,7 @@
   capability FAILS the test, so that CI cannot pass by skipping everything.
 * ``@pytest.mark.tmux``: needs the tmux binary; same skip/fail rule.
 * Hypothesis: no deadline per example; ``HAMI_HYPOTHESIS_EXAMPLES`` (set by `make test`) sets
-  max_examples for every property test; no deadline under that profile.
+  max_examples for every property test.
 """
 from __future__ import annotations
 
