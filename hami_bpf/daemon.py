@@ -25,9 +25,9 @@ from .actions import ClearSlot, Compacted, CreateGroup, DeleteGroup, ReleaseProc
 from .config import DaemonConfig
 from .events import (GroupLimitSet, LaunchesCounted, MemoryAllocated, MemoryFreed, ProcessExited,
                      ProcessRegistered, ProcKey)
-from .limits import (HAMI_DEFAULT_PRIORITY, EnvLimits, PolicyError, effective_limits,
+from .limits import (HAMI_DEFAULT_PRIORITY, EnvLimits, PolicyError, clipped, effective_limits,
                      effective_sched, load_policy, parse_env_limits, physical_to_visible,
-                     visible_to_physical)
+                     visible_entries, visible_to_physical)
 from .metrics import observe_exit_latency
 from .slots import SlotTable
 from .throttle import (BUSY_S, LEARN_ALONE_S, TURN_CALIBRATE_S, UNLIMITED, Budget,
@@ -78,14 +78,59 @@ def _read(path: str) -> bytes | None:
         return None
 
 
-def proc_environ(pid: int) -> dict[str, str]:
-    raw = _read(f"/proc/{pid}/environ") or b""
+# Bytes of /proc/PID/environ read (the kernel allows a quarter of the stack
+# limit, gigabytes): the variables that matter come from the container spec,
+# a few KiB. Past this the environment is cut and the cut is reported.
+ENVIRON_MAX = 1 << 20
+# Longest group name kept as is; a longer one (an env:NAME value, say) is cut
+# and made unique again by a hash of the whole.
+GROUP_NAME_MAX = 1024
+LABEL_MAX = 253            # a Kubernetes name's limit
+PROBLEMS_SHOWN = 8         # malformed variables recorded per process
+
+
+def _read_bounded(path: str, limit: int) -> tuple[bytes | None, bool]:
+    """At most ``limit`` bytes of ``path``, and whether there was more."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(limit + 1)
+    except OSError:
+        return None, False
+    return raw[:limit], len(raw) > limit
+
+
+def parse_environ(raw: bytes, truncated: bool = False) -> dict[str, str]:
+    """NUL-separated NAME=value items, decoded leniently (any bytes in, text
+    out). With ``truncated`` the last item is dropped: it may be cut short."""
+    items = raw.split(b"\0")
+    if truncated and items:
+        items.pop()
     env = {}
-    for item in raw.split(b"\0"):
+    for item in items:
         k, sep, v = item.partition(b"=")
         if sep:
             env[k.decode(errors="replace")] = v.decode(errors="replace")
     return env
+
+
+def read_environ(pid: int) -> tuple[dict[str, str], bool]:
+    """(environment of ``pid``, whether it was cut at ENVIRON_MAX bytes)."""
+    raw, cut = _read_bounded(f"/proc/{pid}/environ", ENVIRON_MAX)
+    return parse_environ(raw or b"", cut), cut
+
+
+def proc_environ(pid: int) -> dict[str, str]:
+    return read_environ(pid)[0]
+
+
+def bounded_name(name: str, limit: int = GROUP_NAME_MAX) -> str:
+    """``name`` if it is at most ``limit`` characters, else a prefix and a
+    hash of the whole: still one name per distinct input."""
+    if len(name) <= limit:
+        return name
+    import hashlib
+    digest = hashlib.sha256(name.encode(errors="surrogatepass")).hexdigest()[:16]
+    return f"{name[:limit - 20]}...{digest}"
 
 
 def proc_cgroup(pid: int) -> str | None:
@@ -125,8 +170,8 @@ def group_of(pid: int, group_by: str, env: dict[str, str] | None) -> str:
     if group_by.startswith("env:"):
         name = group_by[4:]
         e = env if env is not None else proc_environ(pid)
-        return e.get(name) or f"{name}(unset)"
-    return proc_cgroup(pid) or "(exited)"
+        return bounded_name(e.get(name) or f"{name}(unset)")
+    return bounded_name(proc_cgroup(pid) or "(exited)")
 
 
 def pids_mapping(lib: Path) -> list[int]:
@@ -288,6 +333,23 @@ class ProcInfo:
     state: str = "running"
     labels: dict[str, str] = field(default_factory=dict)   # pod labels (containers.PodRef.labels)
     cvd: str | None = None     # its CUDA_VISIBLE_DEVICES (limits are per visible index)
+
+
+UNCLASSIFIED = "(unclassified)"   # the group of a process whose group could not be read
+
+
+@dataclass
+class Classified:
+    """What registration read of a process (Daemon._classify)."""
+    group: str
+    env: EnvLimits | None = None
+    cvd: str | None = None
+    phys: list[int] = field(default_factory=lambda: list(range(abi.MAX_DEVS)))
+    labels: dict[str, str] = field(default_factory=dict)
+    ns_pid: int | None = None
+    problems: list[str] = field(default_factory=list)    # malformed values, ignored
+    failed: list[str] = field(default_factory=list)      # steps that raised: inputs not used
+    reasons: list[str] = field(default_factory=list)
 
 
 class Daemon:
@@ -908,6 +970,13 @@ class Daemon:
         if e.kind == abi.EV_EXIT:
             self._exit(pid, e.ts_ns)
             return
+        if e.kind == abi.EV_EXEC:
+            self._exec(pid, e.ts_ns)
+            return
+        if e.kind == abi.EV_INIT and e.flags & abi.F_STOPPED and self.table.resolve(pid) is not None:
+            # Held at cuInit, so BPF has no proc_cfg for it: a new image whose
+            # exec event was lost (ring buffer full). Its old image is gone.
+            self._exec(pid, e.ts_ns)
         if self.table.resolve(pid) is None:
             if e.kind == abi.EV_INIT and e.flags & abi.F_STOPPED:
                 self.stopped.add(pid, enforce.proc_start_time(pid), "held at cuInit")
@@ -940,26 +1009,68 @@ class Daemon:
         elif e.kind == abi.EV_THROTTLE:
             self._throttle(e)
 
+    def _classify(self, pid: int, alive: bool) -> "Classified":
+        """Group, limits and device map of ``pid`` from its /proc entries. Each
+        step that fails (whatever the workload put there) is named in
+        ``failed`` and its input is not used: no environment limits, every
+        device visible, the fallback group. So the process is still tracked,
+        and with no more than its group's policy allows."""
+        c = Classified(group="(exited)" if not alive else UNCLASSIFIED)
+        if not alive:
+            return c
+
+        def step(what, fn):
+            try:
+                return fn()
+            except Exception as e:  # noqa: BLE001 - a workload's input must not untrack it
+                c.failed.append(what)
+                c.reasons.append(f"{what}: {type(e).__name__}: {clipped(str(e))}")
+                return None
+
+        got = step("environment", lambda: read_environ(pid))
+        env, cut = got if got is not None else ({}, False)
+        if cut:
+            c.problems.append(f"environment longer than {ENVIRON_MAX} bytes: read up to there")
+        if self.cfg.env_limits and env and "environment" not in c.failed:
+            parsed = step("limits", lambda: parse_env_limits(env))
+            if parsed is not None:
+                c.env, problems = parsed
+                c.problems += problems
+        cvd = env.get("CUDA_VISIBLE_DEVICES") if "environment" not in c.failed else None
+        if cvd is not None:
+            def visible():
+                norm = ",".join(visible_entries(cvd))
+                return norm, [visible_to_physical(i, norm, self.devices.uuid_to_index)
+                              for i in range(abi.MAX_DEVS)]
+            got = step("devices", visible)
+            if got is not None:
+                c.cvd, mapped = got
+                c.phys = [i if p is None else p for i, p in enumerate(mapped)]
+        group = step("group", lambda: group_of(pid, self.group_by, env))
+        if group is not None:
+            c.group = group
+        pod = step("pod", lambda: containers.describe(pid, names=self.pod_names, env=env).pod)
+        if pod is not None:
+            c.labels = {clipped(str(k), LABEL_MAX): clipped(str(v), LABEL_MAX)
+                        for k, v in pod.labels().items()}
+        c.ns_pid = step("pid namespace", lambda: ns_pid(pid))
+        if c.failed and ("environment" in c.failed or "limits" in c.failed):
+            c.env = None
+        return c
+
     def _register(self, pid: int, ts_ns: int, comm: str = "", existing: bool = False) -> None:
         if pid == os.getpid():
             return    # the daemon maps libcuda to measure its probes; it is not a workload
         st = enforce.proc_start_time(pid)
-        env = proc_environ(pid) if st is not None else {}
-        limits = None
-        if self.cfg.env_limits and env:
-            limits, problems = parse_env_limits(env)
-            for msg in problems:
-                self.record("config", f"pid {pid}: {msg} (ignored)", pid=pid)
-        cvd = env.get("CUDA_VISIBLE_DEVICES")
-        phys = []
-        for i in range(abi.MAX_DEVS):
-            p = visible_to_physical(i, cvd, self.devices.uuid_to_index) if cvd is not None else i
-            phys.append(i if p is None else p)
-        group = group_of(pid, self.group_by, env) if st is not None else "(exited)"
+        c = self._classify(pid, st is not None)
+        shown = c.problems[:PROBLEMS_SHOWN]
+        if len(c.problems) > len(shown):
+            shown.append(f"{len(c.problems) - len(shown)} more malformed variables")
+        for msg in shown:
+            self.record("config", f"pid {pid}: {msg} (ignored)", pid=pid)
+        group = c.group
         key = ProcKey(pid, st if st is not None else 0)
-        pod = containers.describe(pid, names=self.pod_names, env=env).pod if st is not None else None
-        self.info[pid] = ProcInfo(limits, phys, ns_pid(pid), labels=pod.labels() if pod else {},
-                                  cvd=cvd)
+        self.info[pid] = ProcInfo(c.env, c.phys, c.ns_pid, labels=c.labels, cvd=c.cvd)
         actions = self.table.apply(ProcessRegistered(key, group, comm or proc_comm(pid), ts_ns))
         self._act(actions, new_pid=pid if not existing else None, existing=existing)
         view = self.table.process(pid)
@@ -969,7 +1080,22 @@ class Daemon:
             self.probes.ensure_proc(pid)
         self.record("register", f"pid {pid} ({view.comm}) registered in group {group!r} slot {view.slot}",
                     pid=pid, group=group, slot=view.slot)
-        self._apply_limits(view.group, view.group_index, pid, cvd)
+        if c.failed:
+            self.counters["classify_failures"] += 1
+            self.record("error", f"pid {pid}: classifying it failed ({'; '.join(c.reasons)}); "
+                        f"tracked in group {group!r} with the policy's limits only",
+                        pid=pid, group=group, classify_failed=list(c.failed))
+        try:
+            self._apply_limits(view.group, view.group_index, pid, c.cvd)
+        except Exception as e:  # noqa: BLE001 - fall back to the policy alone, never to nothing
+            self.counters["classify_failures"] += 1
+            self.record("error", f"pid {pid}: applying its limits failed ({type(e).__name__}: "
+                        f"{clipped(str(e))}); the policy's limits apply", pid=pid, group=group,
+                        classify_failed=["limits"])
+            info = self.info.get(pid)
+            if info is not None:
+                info.env, info.cvd = None, None
+            self._apply_limits(view.group, view.group_index, pid, None)
 
     def _apply_limits(self, group: str, gidx: int, pid: int, cvd: str | None) -> None:
         """A member can lower its group's limit, never raise it above the policy."""
@@ -987,9 +1113,10 @@ class Daemon:
         current = self.table.limits(group)
         for dev in range(self.devices.count):
             vis = physical_to_visible(dev, cvd, self.devices.uuid_to_index) if cvd is not None else dev
-            if vis is None and cvd is not None:
-                continue  # this process can't see the device
-            env = info.env if info and self.cfg.env_limits else None
+            # A device the process cannot see by its environment still gets
+            # the policy's limit: the environment it started with need not be
+            # the one the driver reads (setenv before cuInit).
+            env = info.env if info and self.cfg.env_limits and vis is not None else None
             mem, sm = effective_limits(self.policy, group, env, dev, visible_index=vis)
             self._apply_sm_cap(group, dev, sm)
             old = current.get(dev)
@@ -1432,6 +1559,20 @@ class Daemon:
         lat = max(0, time.monotonic_ns() - ts_ns)
         self.exit_latency_ns.append(lat)
         observe_exit_latency(self.counters, lat)
+
+    def _exec(self, pid: int, ts_ns: int) -> None:
+        """The process replaced its image: the old image's memory died with it
+        (BPF gave its bytes back already), so it leaves its group as at an
+        exit. The new image is classified afresh, from its new environment, at
+        its first libcuda call (held at cuInit like any new process)."""
+        view = self.table.process(pid)
+        if view is None:
+            return
+        self.counters["execs"] += 1
+        self.record("exec", f"pid {pid} ({view.comm}) replaced its image: released from group "
+                    f"{view.group!r}", pid=pid, group=view.group)
+        self._act(self.table.apply(ProcessExited(pid, None, ts_ns)))
+        self._lib_release(pid)
 
     def _act(self, actions, new_pid: int | None = None, existing: bool = False) -> None:
         self._after_release = []

@@ -588,8 +588,23 @@ class Probes:
         return {k.value for k in self.map["procs"].keys()}
 
     def sweep(self, live: set[int]) -> int:
-        """Delete records the exit program can't reach (allocations, contexts) of dead processes."""
+        """Delete records the exit program can't reach (allocations, contexts) of dead
+        processes, and allocations an exec left behind (of an image not the process's)."""
         n = 0
+        # Records first, images after: a record whose image is not the one
+        # read later belongs to an image that is gone, whenever it was made.
+        records = list(self.map["allocs"].items())
+        images = {k.value: v.image for k, v in self.map["procs"].items()}
+        t = self.map["allocs"]
+        for k, v in records:
+            if k.tgid in live and k.tgid in images and v.image != images[k.tgid]:
+                try:
+                    now = t[k]
+                    if now.image == v.image:
+                        del t[k]
+                        n += 1
+                except KeyError:
+                    pass
         for name, get in (("allocs", lambda k: k.tgid), ("ctx_dev", lambda k: k.tgid),
                           ("nvml_dev", lambda k: k.tgid),
                           ("pmem", lambda k: k.tgid)):

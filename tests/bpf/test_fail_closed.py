@@ -1,0 +1,69 @@
+"""Memory limits stay exact against hostile workloads and a failing host:
+odd environments, exec, a full state directory, signals to the daemon.
+Real uprobes on fakecuda processes; a policy limits groups "lim*" to 1 GiB.
+"""
+from __future__ import annotations
+
+import pytest
+
+from helpers import Daemon, Tracked, converge, finish_daemon, gname, wait_for, wait_registered, \
+    write_policy
+
+pytestmark = pytest.mark.bpf
+
+MiB = 1 << 20
+GiB = 1 << 30
+OOM = 2  # CUDA_ERROR_OUT_OF_MEMORY
+HUGE = "9" * 5000   # past Python's 4300-digit int() limit
+
+
+@pytest.fixture(scope="module")
+def policy_file(tmp_path_factory):
+    return write_policy(tmp_path_factory.mktemp("policy") / "policy.toml",
+                        '[[group]]\nmatch = "lim*"\nmemory = "1Gi"\n')
+
+
+@pytest.fixture(scope="module")
+def daemon(fakecuda, policy_file):
+    d = Daemon(fakecuda, policy=policy_file).start()
+    yield d
+    finish_daemon(d)
+
+
+def _rec(snap, pid):
+    return next((p for p in snap["processes"] if p["pid"] == pid), None)
+
+
+@pytest.mark.parametrize("var", ["CUDA_DEVICE_MEMORY_LIMIT", "CUDA_DEVICE_MEMORY_LIMIT_0",
+                                 "CUDA_DEVICE_SM_LIMIT"])
+def test_a_5000_digit_value_gets_the_policy_limit(daemon, fakecuda, var):
+    errors = int(daemon.snapshot()["counters"].get("handler_errors", 0))
+    with Tracked.spawn(fakecuda, gname("lim"), env={var: HUGE}) as t:
+        wait_registered(daemon, [t])
+        t.alloc("alloc 768M", 0)
+        assert t.alloc("alloc 512M", 0, expect_rc=None)[0] == OOM
+        snap = converge(daemon, [t])
+        assert _rec(snap, t.pid)["devices"]["0"]["limit_bytes"] == GiB
+    assert int(daemon.snapshot()["counters"].get("handler_errors", 0)) == errors
+
+
+@pytest.mark.parametrize("how", ["exec", "thread exec"])
+def test_exec_gives_back_what_the_old_image_held(daemon, fakecuda, how):
+    g = gname("lim")
+    with Tracked.spawn(fakecuda, g) as a, Tracked.spawn(fakecuda, g) as b:
+        wait_registered(daemon, [a, b])
+        a.alloc("alloc 512M", 0)
+        converge(daemon, [a, b])
+        for _ in range(3):
+            a.ok(how)
+            a.held.clear()       # the old image's memory died with it
+            # The new image is a fresh process to CUDA: init, then allocate.
+            a.ok("init")
+            a.ok("device 0")
+            a.alloc("alloc 512M", 0)
+            converge(daemon, [a, b])
+        # 512 MiB held in the group now, not 4 x 512: the peer fits 512 more.
+        b.alloc("alloc 512M", 0)
+        assert b.alloc("alloc 1", 0, expect_rc=None)[0] == OOM
+        snap = converge(daemon, [a, b])
+        assert _rec(snap, a.pid)["group"] == _rec(snap, b.pid)["group"]
