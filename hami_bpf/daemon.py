@@ -533,6 +533,7 @@ class Daemon:
         for pid, what in enforce.StoppedSet.recover(cfg.state_dir).items():
             self.record("recover", f"pid {pid} left stopped by a previous run: {what}", pid=pid)
         self.stopped = enforce.StoppedSet(cfg.state_dir)
+        self.stopped.on_error = self._state_write_failed
         try:
             self.probes = probes.Probes(reg_write=reg_write, probe_write_user=pwu)
         except probes.ProbeError as e:
@@ -615,6 +616,14 @@ class Daemon:
             self.demo = start_demo_workload(self.fake)
         log.info("ready: %s; oom=%s meminfo=%s; socket %s", ", ".join(map(str, self.libs)),
                  self.mechanisms["oom"], self.mechanisms["meminfo"], cfg.socket)
+
+    def _state_write_failed(self, what: str, err: int | None) -> None:
+        """The stopped-process record cannot be written (a full or read-only
+        state directory): said once; limits and stops go on as before."""
+        self.counters["state_write_errors"] += 1
+        self.record("error", f"state directory: {what}; stopped processes are recorded in "
+                    "memory only until writing works again (limits still apply)",
+                    path=self.cfg.state_dir, errno=err, state_write_failed=True)
 
     def _lock_libs(self) -> None:
         """One controller per library: two would both stop, rewrite and resume

@@ -4,10 +4,17 @@ Real uprobes on fakecuda processes; a policy limits groups "lim*" to 1 GiB.
 """
 from __future__ import annotations
 
+import errno
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
 import pytest
 
 from helpers import Daemon, Tracked, converge, finish_daemon, gname, wait_for, wait_registered, \
     write_policy
+from hami_bpf.server import query
 
 pytestmark = pytest.mark.bpf
 
@@ -67,3 +74,46 @@ def test_exec_gives_back_what_the_old_image_held(daemon, fakecuda, how):
         assert b.alloc("alloc 1", 0, expect_rc=None)[0] == OOM
         snap = converge(daemon, [a, b])
         assert _rec(snap, a.pid)["group"] == _rec(snap, b.pid)["group"]
+
+
+def events(d: Daemon) -> list[dict]:
+    return query(d.socket, "events", since=0)["events"]
+
+
+def test_a_full_state_directory_still_denies(fakecuda, policy_file):
+    """Every write of the stopped-process record fails with ENOSPC (a full
+    tmpfs as the state directory): registration and denials go on, the
+    limit holds, and the failure is recorded once."""
+    workdir = Path(tempfile.mkdtemp(prefix="hami-f-"))
+    state = workdir / "state"
+    state.mkdir(mode=0o700)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,mode=0700", "tmpfs", str(state)],
+                   check=True)
+    try:
+        d = Daemon(fakecuda, policy=policy_file, workdir=workdir).start()
+        try:
+            try:                                          # fill it up
+                with open(state / "filler", "wb") as f:
+                    while True:
+                        f.write(b"x" * 4096)
+                        f.flush()
+            except OSError as e:
+                assert e.errno == errno.ENOSPC
+            with pytest.raises(OSError):
+                (state / "probe").write_bytes(b"x" * 4096)
+            with Tracked.spawn(fakecuda, gname("lim")) as t:
+                wait_registered(d, [t])
+                t.alloc("alloc 1G", 0)
+                for _ in range(3):
+                    assert t.alloc("alloc 1M", 0, expect_rc=None)[0] == OOM
+                converge(d, [t])
+            failed = [e for e in events(d) if e["data"].get("state_write_failed")]
+            assert len(failed) == 1, failed
+            assert failed[0]["data"]["errno"] == errno.ENOSPC
+            assert d.snapshot()["counters"].get("handler_errors", 0) == 0
+        finally:
+            finish_daemon(d)
+    finally:
+        subprocess.run(["umount", str(state)], check=False)
+        import shutil
+        shutil.rmtree(workdir, ignore_errors=True)
