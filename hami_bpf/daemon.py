@@ -8,10 +8,12 @@ immutable Snapshot, swapped in by reference.
 from __future__ import annotations
 
 import collections
+import errno
 import logging
 import math
 import os
 import signal
+import stat as stat_
 import subprocess
 import sys
 import threading
@@ -22,7 +24,7 @@ from pathlib import Path
 from . import abi, containers, enforce
 from .ptrace import PtraceError, read_mem, write_mem
 from .actions import ClearSlot, Compacted, CreateGroup, DeleteGroup, ReleaseProcess, WriteSlot
-from .config import DaemonConfig
+from .config import DaemonConfig, unsafe_chain
 from .events import (GroupLimitSet, LaunchesCounted, MemoryAllocated, MemoryFreed, ProcessExited,
                      ProcessRegistered, ProcKey)
 from .limits import (HAMI_DEFAULT_PRIORITY, EnvLimits, PolicyError, clipped, effective_limits,
@@ -66,6 +68,34 @@ DEFAULT_CONTEXT_BYTES = 528 << 20   # cuMemCreate handles and device pointers ar
 
 class DaemonError(RuntimeError):
     """A start-up failure the CLI prints as one line (exit 2)."""
+
+
+class LockError(DaemonError):
+    """A library's lock file or its directory is not safe to use."""
+
+
+# One lock per probed library file, here: a directory only root can write
+# (created 0700; its parent is the default state and socket directory).
+LOCK_DIR = "/run/hami-bpf/locks"
+
+
+def _lock_dir() -> str:
+    """LOCK_DIR, made if missing, after checking that it and every directory
+    above it are real directories only root can write (LockError if not)."""
+    for d, mode in ((os.path.dirname(LOCK_DIR), 0o755), (LOCK_DIR, 0o700)):
+        try:
+            os.mkdir(d, mode)
+        except FileExistsError:
+            pass
+        except OSError as e:
+            raise LockError(f"making lock directory {d}: {e.strerror}") from None
+        st = os.lstat(d)
+        if not stat_.S_ISDIR(st.st_mode):
+            raise LockError(f"lock directory {d} is not a directory (a symbolic link?): refused")
+    bad = unsafe_chain(os.path.join(LOCK_DIR, "x"))
+    if bad:
+        raise LockError(f"lock directory {LOCK_DIR}: {bad}: refused")
+    return LOCK_DIR
 
 
 # --- /proc helpers ------------------------------------------------------------
@@ -401,6 +431,7 @@ class Daemon:
         # (threading.Event.set() does; a second SIGINT arriving while the first
         # handler held it deadlocked the daemon before its shutdown).
         self._stopping = False
+        self._stop_signal: int | None = None     # the signal that asked us to stop
         self._reload_asked = False
         self._snap = Snapshot.empty()
         self._dirty = True
@@ -501,21 +532,33 @@ class Daemon:
         if not self.cfg.policy:
             return
         p = self.cfg.policy
+        # Whoever can write the file, or any directory above it, can raise
+        # their own limit: only root may.
+        bad = unsafe_chain(p)
+        if bad:
+            raise DaemonError(f"--policy {p}: {bad}; a workload must not be able to replace "
+                              "the policy")
         try:
-            st = os.stat(p)
+            fd = os.open(os.path.realpath(p), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as e:
             raise DaemonError(f"--policy {p}: {e.strerror}") from None
-        if st.st_uid != 0 or st.st_mode & 0o022:
-            raise DaemonError(f"--policy {p}: must be owned by root and not writable by group or "
-                              f"others (owner uid {st.st_uid}, mode {st.st_mode & 0o777:o}); "
-                              "a workload must not be able to raise its own limit")
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat_.S_ISREG(st.st_mode):
+                raise DaemonError(f"--policy {p}: not a regular file")
+            if st.st_uid != 0 or st.st_mode & 0o022:
+                raise DaemonError(f"--policy {p}: must be owned by root and not writable by "
+                                  f"group or others (owner uid {st.st_uid}, mode "
+                                  f"{st.st_mode & 0o777:o}); a workload must not be able to "
+                                  "raise its own limit")
+            try:
+                text = f.read().decode()
+            except (OSError, UnicodeDecodeError) as e:
+                raise DaemonError(f"--policy {p}: {e}") from None
         try:
-            text = Path(p).read_text()
             self.policy = load_policy(text, p)
         except PolicyError as e:
             raise DaemonError(str(e)) from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise DaemonError(f"--policy {p}: {e}") from None
 
     def start(self) -> None:
         from . import libcuda, probes
@@ -638,11 +681,23 @@ class Daemon:
 
     @staticmethod
     def _lock_file(st: os.stat_result) -> tuple[int | None, str]:
-        """The library's lock (by dev:inode), or None if another daemon holds it."""
+        """The library's lock (by dev:inode), or None if another daemon holds
+        it. The locks live in a directory only root can write (LOCK_DIR): in a
+        world-writable one anybody could take a lock's name first and keep
+        the daemon from starting. Raises LockError for a lock that is not
+        our plain file (a link, say)."""
         import fcntl
-        lockdir = "/run/lock" if os.path.isdir("/run/lock") else "/tmp"
-        path = f"{lockdir}/hami-bpf-{st.st_dev}-{st.st_ino}.lock"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        lockdir = _lock_dir()
+        path = f"{lockdir}/{st.st_dev}-{st.st_ino}.lock"
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            raise LockError(f"opening lock {path}: {e.strerror}"
+                            + (" (a symbolic link: refused)" if e.errno == errno.ELOOP else ""))
+        lst = os.fstat(fd)
+        if not stat_.S_ISREG(lst.st_mode) or lst.st_uid != 0:
+            os.close(fd)
+            raise LockError(f"lock {path} is not a regular file owned by root: refused")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -764,7 +819,11 @@ class Daemon:
             os.close(fd)
             self.libtrack.pin(ref)
             return False
-        lock, lock_path = self._lock_file(st)
+        try:
+            lock, lock_path = self._lock_file(st)
+        except LockError as e:
+            os.close(fd)
+            return self._refuse_lib(ref, str(e), kind="config")
         if lock is None:
             os.close(fd)
             return self._refuse_lib(ref, f"another hami-bpf daemon is attached to it (lock "
@@ -877,8 +936,11 @@ class Daemon:
             wait = min(wait, edge - now)
         return max(1, math.ceil(wait * 1000))
 
-    def stop(self) -> None:
-        """SIGTERM/SIGINT: the loop ends at its next turn (safe in a signal handler)."""
+    def stop(self, signum: int | None = None) -> None:
+        """A fatal signal: the loop ends at its next turn (safe in a signal
+        handler: plain assignments, no lock)."""
+        if self._stop_signal is None:
+            self._stop_signal = signum
         self._stopping = True
 
     def request_reload(self) -> None:
@@ -1899,15 +1961,37 @@ class Daemon:
             remove(group)
 
 
-def run(cfg: DaemonConfig) -> None:
+# Signals whose default action ends the process: each gets SIGTERM's
+# clean-up (resume what we stopped, detach, close). SIGKILL and SIGSTOP cannot
+# be caught; SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT and SIGTRAP report a
+# fault of this process and are left to their default.
+FATAL_SIGNALS = tuple(sorted(
+    {signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
+     signal.SIGALRM, signal.SIGVTALRM, signal.SIGPROF, signal.SIGIO, signal.SIGPWR,
+     signal.SIGXCPU, signal.SIGXFSZ, signal.SIGSYS, signal.SIGPIPE}
+    | {getattr(signal, "SIGSTKFLT", signal.SIGTERM)}
+    | set(range(signal.SIGRTMIN, signal.SIGRTMAX + 1))))
+# Stops asked for: exit status 0. Any other fatal signal: 128 + its number,
+# as a shell reports a process it ended, after the same clean-up.
+REQUESTED_STOPS = (signal.SIGTERM, signal.SIGINT)
+
+
+def run(cfg: DaemonConfig) -> int:
+    """Run the daemon until a fatal signal; returns the exit status."""
     logging.basicConfig(level=logging.DEBUG if cfg.verbose else logging.INFO,
                         format="hami-bpf: %(message)s", stream=sys.stderr)
     d = Daemon(cfg)
 
     def _on_signal(signum, frame):
-        d.stop()
+        d.stop(signum)
 
-    old = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    old = {}
+    for s in FATAL_SIGNALS:
+        try:
+            if signal.getsignal(s) == signal.SIG_DFL:   # not one ignored on purpose (SIGPIPE)
+                old[s] = signal.signal(s, _on_signal)
+        except (OSError, ValueError):
+            pass
     old[signal.SIGHUP] = signal.signal(signal.SIGHUP, lambda signum, frame: d.request_reload())
     try:
         d.start()
@@ -1916,4 +2000,13 @@ def run(cfg: DaemonConfig) -> None:
         d.shutdown()
         for s, h in old.items():
             signal.signal(s, h)
+    sig = d._stop_signal
+    if sig is not None and sig not in REQUESTED_STOPS:
+        try:
+            name = signal.Signals(sig).name
+        except ValueError:          # a real-time signal
+            name = f"signal {sig}"
+        log.info("stopped (%s)", name)
+        return 128 + sig
     log.info("stopped")
+    return 0

@@ -117,3 +117,88 @@ def test_a_full_state_directory_still_denies(fakecuda, policy_file):
         subprocess.run(["umount", str(state)], check=False)
         import shutil
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+# ------------------------------------------------------------------ locks
+
+def _own_lib(fakecuda, tmp_path):
+    """A copy of the stand-in libcuda: a file (dev, inode) no other daemon
+    on this machine probes, so its lock names are this test's own."""
+    import dataclasses
+    import shutil
+    d = tmp_path / "lib"
+    d.mkdir()
+    shutil.copy2(fakecuda.libcuda, d / "libcuda.so.1")
+    return dataclasses.replace(fakecuda, lib_dir=d, libcuda=d / "libcuda.so.1")
+
+
+def test_lock_names_in_the_old_world_writable_place_do_not_matter(fakecuda, tmp_path):
+    import fcntl
+    fake = _own_lib(fakecuda, tmp_path)
+    st = os.stat(fake.libcuda)
+    old = Path(f"/run/lock/hami-bpf-{st.st_dev}-{st.st_ino}.lock")
+    fd = os.open(old, os.O_RDWR | os.O_CREAT, 0o666)   # taken first, and held
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        d = Daemon(fake).start()
+        finish_daemon(d)
+    finally:
+        os.close(fd)
+        old.unlink()
+
+
+def test_a_link_in_place_of_a_lock_is_refused(fakecuda, tmp_path):
+    from hami_bpf.daemon import LOCK_DIR
+    fake = _own_lib(fakecuda, tmp_path)
+    st = os.stat(fake.libcuda)
+    os.makedirs(LOCK_DIR, 0o700, exist_ok=True)
+    lock = Path(LOCK_DIR) / f"{st.st_dev}-{st.st_ino}.lock"
+    target = tmp_path / "elsewhere"
+    lock.symlink_to(target)
+    try:
+        d = Daemon(fake)
+        with pytest.raises(Exception):
+            d.start(ready_timeout=30)
+        assert d.returncode == 2, d.log()[-2000:]
+        assert str(lock) in d.log()
+        assert not target.exists()
+        d.cleanup()
+    finally:
+        lock.unlink()
+
+
+# ---------------------------------------------------------------- signals
+
+@pytest.mark.parametrize("sig", ["SIGUSR1", "SIGQUIT"])
+def test_any_fatal_signal_shuts_down_cleanly(tmp_path, sig):
+    """The daemon holds a capped group (SM cap 10%: its launch loop is
+    stopped most of the time) when a fatal signal other than SIGTERM comes:
+    it resumes the process, logs "stopped" and exits 128 + the signal."""
+    import signal
+    import time
+
+    from helpers import Launching, proc_state
+    from hami_bpf.fakecuda import build
+    fake = build(tmp_path / "lib")      # its own library: no other test's daemon sees it
+    g = gname("cap")
+    policy = write_policy(tmp_path / "policy.toml", f'[[group]]\nmatch = "{g}"\nsm = 10\n')
+    d = Daemon(fake, policy=policy).start()
+    try:
+        with Tracked.spawn(fake, g, env={"FAKECUDA_LAUNCH_NS": "3000"}) as t:
+            run = Launching(t.proc, 1000000)
+            deadline = time.monotonic() + 30
+            while proc_state(t.pid) != "T" and time.monotonic() < deadline:
+                time.sleep(0.002)
+            assert proc_state(t.pid) == "T", "never held"
+            signum = getattr(signal, sig)
+            d.proc.send_signal(signum)
+            rc = d.proc.wait(30)
+            run.sample_until_done()
+            assert run.reply.get("rc") == "0", run.reply
+            assert proc_state(t.pid) not in ("T", "t")
+            assert rc == 128 + signum, d.log()[-2000:]
+            assert any(line.startswith("hami-bpf: stopped") for line in d.log().splitlines())
+            assert not d.new_stopped() & {t.pid}
+    finally:
+        d.stop()
+        d.cleanup()
