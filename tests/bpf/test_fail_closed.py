@@ -202,3 +202,54 @@ def test_any_fatal_signal_shuts_down_cleanly(tmp_path, sig):
     finally:
         d.stop()
         d.cleanup()
+
+
+# -------------------------------------------------------- no daemon running
+
+def test_processes_a_killed_daemon_stopped_wait_for_the_next_one(fakecuda, policy_file, tmp_path):
+    """Two processes are stopped at a denied allocation and the daemon dies
+    (SIGKILL) before answering: they stay stopped while no daemon runs (the
+    documented choice: a denial is never turned into a success), and the
+    next daemon answers both with CUDA_ERROR_OUT_OF_MEMORY."""
+    import signal
+    import time
+
+    from helpers import proc_state
+    workdir = tmp_path / "w"
+    workdir.mkdir()
+    d = Daemon(fakecuda, policy=policy_file, workdir=workdir).start()
+    procs = []
+    try:
+        for _ in range(2):
+            procs.append(Tracked.spawn(fakecuda, gname("lim")))
+        wait_registered(d, procs)
+        for t in procs:
+            t.alloc("alloc 1G", 0)
+        # The daemon cannot answer from now on, but its heartbeat is fresh
+        # for up to 2 s: the probes still stop a denied call.
+        d.proc.send_signal(signal.SIGSTOP)
+        for t in procs:
+            t.proc.send("alloc 1M")
+        wait_for(lambda: [t.pid for t in procs if proc_state(t.pid) != "T"], 5,
+                 what="both stopped at the denied call")
+        d.proc.send_signal(signal.SIGKILL)
+        d.proc.wait(120)                   # the kernel detaches its probes first
+        time.sleep(3)                      # no daemon: still stopped
+        assert [proc_state(t.pid) for t in procs] == ["T", "T"]
+        d2 = Daemon(fakecuda, policy=policy_file, workdir=workdir).start()
+        try:
+            for t in procs:
+                assert int(t.proc.reply(timeout=20)["rc"]) == OOM
+                t.ok("pid")                # and it goes on
+            recovered = [e for e in events(d2) if e["kind"] == "recover"]
+            assert {e["data"]["pid"] for e in recovered} == {t.pid for t in procs}
+        finally:
+            finish_daemon(d2)
+    finally:
+        for t in procs:
+            try:
+                os.kill(t.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+            t.close()
+        d.stop()
