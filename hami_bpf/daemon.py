@@ -433,6 +433,9 @@ class Daemon:
         self._stopping = False
         self._stop_signal: int | None = None     # the signal that asked us to stop
         self._reload_asked = False
+        self._reload_job: threading.Thread | None = None    # reading --policy again
+        self._reload_result = None        # (Policy, None) or (None, DaemonError) from it
+        self._reload_again = False        # SIGHUP while it read: read once more
         self._snap = Snapshot.empty()
         self._dirty = True
         self.probes = None
@@ -529,9 +532,12 @@ class Daemon:
         return feats.reg_write and want == "return-oom", feats.probe_write_user
 
     def _load_policy(self) -> None:
-        if not self.cfg.policy:
-            return
-        p = self.cfg.policy
+        if self.cfg.policy:
+            self.policy = self._read_policy(self.cfg.policy)
+
+    @staticmethod
+    def _read_policy(p: str):
+        """The checked and parsed policy file (DaemonError naming what is wrong)."""
         # Whoever can write the file, or any directory above it, can raise
         # their own limit: only root may.
         bad = unsafe_chain(p)
@@ -556,7 +562,7 @@ class Daemon:
             except (OSError, UnicodeDecodeError) as e:
                 raise DaemonError(f"--policy {p}: {e}") from None
         try:
-            self.policy = load_policy(text, p)
+            return load_policy(text, p)
         except PolicyError as e:
             raise DaemonError(str(e)) from None
 
@@ -951,23 +957,50 @@ class Daemon:
         """Re-read --policy (same ownership and syntax checks as at start) and
         work every group's limits out again from it and its members'
         environments: a policy can now raise a limit as well as lower it,
-        members still only lower. A file that fails a check changes nothing."""
+        members still only lower. A file that fails a check changes nothing.
+
+        Reading and parsing run on a thread (a file of many rules takes
+        seconds): the loop goes on handling events, under the previous policy,
+        until the thread has a result, which it asks the loop to apply (the
+        loop calls this again)."""
         if not self.cfg.policy:
             self.record("config", "SIGHUP: no --policy to reload")
             return
-        old = self.policy
-        try:
-            self._load_policy()
-        except DaemonError as e:
-            self.policy = old
-            self.record("error", f"reloading policy: {e}; the previous policy stays in force")
+        job = self._reload_job
+        if job is not None and job.is_alive():
+            self._reload_again = True     # read the file again once this one is in
             return
-        self.counters["policy_reloads"] += 1
-        for g in self.table.groups():
-            self._recompute_limits(g.name)
-        self._sync_launch_probes()
-        self.record("config", f"policy {self.cfg.policy} reloaded", policy=str(self.cfg.policy))
-        self._dirty = True
+        if job is None:
+            self._reload_again = False
+            path = self.cfg.policy
+
+            def read():
+                try:
+                    self._reload_result = (self._read_policy(path), None)
+                except DaemonError as e:
+                    self._reload_result = (None, e)
+                except Exception as e:  # noqa: BLE001 - reported by the loop
+                    self._reload_result = (None, DaemonError(f"--policy {path}: {e}"))
+                self._reload_asked = True     # the loop applies it at its next turn
+            self._reload_result = None
+            self._reload_job = threading.Thread(target=read, name="hami-policy", daemon=True)
+            self._reload_job.start()
+            return
+        self._reload_job = None
+        new, err = self._reload_result or (None, DaemonError("--policy: not read"))
+        self._reload_result = None
+        if err is not None:
+            self.record("error", f"reloading policy: {err}; the previous policy stays in force")
+        else:
+            self.policy = new
+            self.counters["policy_reloads"] += 1
+            for g in self.table.groups():
+                self._recompute_limits(g.name)
+            self._sync_launch_probes()
+            self.record("config", f"policy {self.cfg.policy} reloaded", policy=str(self.cfg.policy))
+            self._dirty = True
+        if self._reload_again:
+            self.reload_policy()
 
     def _recompute_limits(self, group: str) -> None:
         g = self.table.group(group)

@@ -405,12 +405,54 @@ class Policy:
     default: LimitSpec | None = None
     rules: tuple[GroupRule, ...] = ()
 
+    def __post_init__(self) -> None:
+        # Rules indexed once, so a lookup does not try every rule: literal
+        # patterns by name, the others by the literal text before their first
+        # wildcard (a group name can only match a pattern whose prefix it
+        # starts with). Patterns are compiled at their first use.
+        literal: dict[str, int] = {}
+        by_prefix: dict[str, list[int]] = {}
+        for i, rule in enumerate(self.rules):
+            m = _WILDCARD_RE.search(rule.match)
+            if m is None:
+                literal.setdefault(rule.match, i)
+            else:
+                by_prefix.setdefault(rule.match[:m.start()], []).append(i)
+        object.__setattr__(self, "_literal", literal)
+        object.__setattr__(self, "_by_prefix", by_prefix)
+        object.__setattr__(self, "_prefix_lengths", sorted({len(p) for p in by_prefix}))
+        object.__setattr__(self, "_compiled", {})
+        object.__setattr__(self, "_found", {})
+
+    def _matches(self, i: int, group: str) -> bool:
+        match = self._compiled.get(i)
+        if match is None:
+            match = self._compiled[i] = re.compile(fnmatch.translate(self.rules[i].match)).match
+        return match(group) is not None
+
     def limits_for(self, group: str) -> LimitSpec | None:
-        """First matching rule, else [default], else None."""
-        for rule in self.rules:
-            if fnmatch.fnmatchcase(group, rule.match):
-                return rule.limits
-        return self.default
+        """First matching rule (fnmatch, case-sensitive), else [default], else None."""
+        found = self._found.get(group)
+        if found is None:
+            best = self._literal.get(group, len(self.rules))
+            for n in self._prefix_lengths:
+                if n > len(group):
+                    break
+                for i in self._by_prefix.get(group[:n], ()):
+                    if i >= best:
+                        break             # in file order: an earlier match won already
+                    if self._matches(i, group):
+                        best = i
+                        break
+            if len(self._found) >= _FOUND_MAX:
+                self._found.clear()
+            found = self._found[group] = (best,)
+        best = found[0]
+        return self.rules[best].limits if best < len(self.rules) else self.default
+
+
+_WILDCARD_RE = re.compile(r"[*?\[]")
+_FOUND_MAX = 1 << 16          # group names whose rule a Policy remembers
 
 
 _TOML_POS_RE = re.compile(r"\(at line (\d+), column (\d+)\)")
@@ -423,16 +465,17 @@ class _Lines:
 
     def __init__(self, text: str):
         self.lines = text.splitlines()
-
-    def table(self, name: str, nth: int = 0) -> int | None:
-        count = 0
+        # Header lines by table name, found in one pass: looking each rule's
+        # header up from the top made loading quadratic in the rules.
+        self.headers: dict[str, list[int]] = {}
         for i, line in enumerate(self.lines):
             m = _HEADER_RE.match(line)
-            if m and m.group(1).strip("\"'") == name:
-                if count == nth:
-                    return i + 1
-                count += 1
-        return None
+            if m:
+                self.headers.setdefault(m.group(1).strip("\"'"), []).append(i + 1)
+
+    def table(self, name: str, nth: int = 0) -> int | None:
+        found = self.headers.get(name, ())
+        return found[nth] if nth < len(found) else None
 
     def key(self, table_line: int | None, key: str) -> int | None:
         start = table_line or 0  # 1-based header line == 0-based index of next line
