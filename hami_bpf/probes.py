@@ -91,6 +91,18 @@ class ProbeError(RuntimeError):
     """Loading or attaching failed; the message says what was being done."""
 
 
+def _perf_fds() -> set[int]:
+    """This process's perf event descriptors (probes and tracepoints)."""
+    out = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}") == "anon_inode:[perf_event]":
+                out.add(int(name))
+        except (OSError, ValueError):
+            pass
+    return out
+
+
 def ensure_tracefs() -> None:
     if os.path.isdir("/sys/kernel/tracing/events"):
         return
@@ -642,58 +654,54 @@ class Probes:
         self._jobs.put(None)
         self.attached.clear()
         with self._bcc_lock:
-            # The tracepoints first, here: their detach takes the kernel lock
-            # the background closes below hold one after another.
-            for tp in list(self.bpf.tracepoint_fds):
-                try:
-                    self.bpf.detach_tracepoint(tp)
-                except Exception as e:
-                    log.warning("detaching tracepoint %s: %s", tp, e)
             fds = list(self.bpf.uprobe_fds.items())
             for ev, _fd in fds:
                 self.bpf._del_uprobe_fd(ev)
-        self._close_in_background([fd for _ev, fd in fds])
+        perf = _perf_fds()
+        self._close_in_background(perf)
+        for _ev, fd in fds:
+            try:
+                os.close(fd)      # a copy now: the child holds the last one
+            except OSError:
+                pass
         with self._bcc_lock:
-            self.bpf.cleanup()
+            self.bpf.cleanup()   # the tracepoints' copies, programs, maps
 
     @staticmethod
-    def _close_in_background(fds: list[int]) -> None:
-        """Close uprobe perf events without waiting for them. Each close
-        waits for the kernel's uprobe grace periods under a lock they all
-        share (6.18: ~0.09 s each, in parallel or not; 10 libraries' 370
-        probes 34 s), and so would this process's exit. A child process that
-        holds nothing else closes them; this one drops its references at once
-        and goes on. Meanwhile the probes only count (see close)."""
-        keep = set(fds)
+    def _close_in_background(perf: set[int]) -> None:
+        """Leave the last reference to each probe (``perf``: this process's
+        perf event descriptors) to a child process, so that closing our own
+        copies costs nothing. Unregistering a probe waits for the kernel's
+        grace periods under a lock every unregistration shares (6.18: ~0.09 s
+        each, in parallel or not; 10 libraries' 370 probes 34 s), and so would
+        this process's exit. The child first closes everything else (the
+        libraries' locks among them), then replaces its image, which drops
+        the mappings that would make it look like a CUDA process to a daemon
+        scanning for them; the exec or its exit closes the probes.
+        Meanwhile they only count (see close)."""
+        if not perf:
+            return
         others = []
         for name in os.listdir("/proc/self/fd"):
-            try:
-                fd = int(name)
-            except ValueError:
-                continue
-            if fd not in keep:
-                others.append(fd)
+            if name.isdigit() and int(name) not in perf:
+                others.append(int(name))
         try:
             pid = os.fork()
         except OSError as e:
             log.warning("detaching probes in the background: %s; detaching here", e)
-            pid = -1
-        if pid == 0:     # the child: only system calls from here on
-            try:
-                for fd in others:
-                    try:
-                        os.close(fd)
-                    except OSError:
-                        pass
-                for fd in fds:
-                    try:
-                        os.close(fd)
-                    except OSError:
-                        pass
-            finally:
-                os._exit(0)
-        for fd in fds:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+            return
+        if pid:
+            return
+        try:     # the child: system calls only
+            for fd in others:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            for prog in ("/bin/true", "/bin/sh"):
+                try:
+                    os.execv(prog, [prog, "-c", ":"] if prog.endswith("sh") else [prog])
+                except OSError:
+                    pass
+        finally:
+            os._exit(0)

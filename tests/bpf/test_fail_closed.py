@@ -14,6 +14,7 @@ import pytest
 
 from helpers import Daemon, Tracked, converge, finish_daemon, gname, wait_for, wait_registered, \
     write_policy
+from hami_bpf.fakecuda import build
 from hami_bpf.server import query
 
 pytestmark = pytest.mark.bpf
@@ -80,10 +81,11 @@ def events(d: Daemon) -> list[dict]:
     return query(d.socket, "events", since=0)["events"]
 
 
-def test_a_full_state_directory_still_denies(fakecuda, policy_file):
+def test_a_full_state_directory_still_denies(fakecuda, policy_file, tmp_path):
     """Every write of the stopped-process record fails with ENOSPC (a full
     tmpfs as the state directory): registration and denials go on, the
     limit holds, and the failure is recorded once."""
+    fakecuda = build(tmp_path / "lib")    # its own library: the module's daemon holds the shared one
     workdir = Path(tempfile.mkdtemp(prefix="hami-f-"))
     state = workdir / "state"
     state.mkdir(mode=0o700)
@@ -126,7 +128,7 @@ def _own_lib(fakecuda, tmp_path):
     on this machine probes, so its lock names are this test's own."""
     import dataclasses
     import shutil
-    d = tmp_path / "lib"
+    d = tmp_path / "libcopy"
     d.mkdir()
     shutil.copy2(fakecuda.libcuda, d / "libcuda.so.1")
     return dataclasses.replace(fakecuda, lib_dir=d, libcuda=d / "libcuda.so.1")
@@ -178,7 +180,6 @@ def test_any_fatal_signal_shuts_down_cleanly(tmp_path, sig):
     import time
 
     from helpers import Launching, proc_state
-    from hami_bpf.fakecuda import build
     fake = build(tmp_path / "lib")      # its own library: no other test's daemon sees it
     g = gname("cap")
     policy = write_policy(tmp_path / "policy.toml", f'[[group]]\nmatch = "{g}"\nsm = 10\n')
@@ -215,6 +216,7 @@ def test_processes_a_killed_daemon_stopped_wait_for_the_next_one(fakecuda, polic
     import time
 
     from helpers import proc_state
+    fakecuda = build(tmp_path / "lib")    # its own library: the module's daemon holds the shared one
     workdir = tmp_path / "w"
     workdir.mkdir()
     d = Daemon(fakecuda, policy=policy_file, workdir=workdir).start()
@@ -234,7 +236,7 @@ def test_processes_a_killed_daemon_stopped_wait_for_the_next_one(fakecuda, polic
                  what="both stopped at the denied call")
         d.proc.send_signal(signal.SIGKILL)
         d.proc.wait(120)                   # the kernel detaches its probes first
-        time.sleep(3)                      # no daemon: still stopped
+        time.sleep(1)                      # no daemon: still stopped
         assert [proc_state(t.pid) for t in procs] == ["T", "T"]
         d2 = Daemon(fakecuda, policy=policy_file, workdir=workdir).start()
         try:
