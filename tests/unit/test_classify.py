@@ -248,3 +248,39 @@ def test_many_malformed_variables_are_recorded_a_bounded_number_of_times(sleeper
     configs = [e for e in d.events_log if e.kind == "config"]
     assert len(configs) == daemon_mod.PROBLEMS_SHOWN + 1
     assert abi.MAX_DEVS == len(d.info[sleeper].phys)
+
+
+# ------------------------------------------------------------------- exec
+
+def _event(kind, pid, flags=0):
+    e = abi.Event()
+    e.kind, e.tgid, e.tid, e.flags = kind, pid, pid, flags
+    return e
+
+
+def test_an_exec_event_releases_the_process(sleeper, monkeypatch, tmp_path):
+    from hami_bpf import enforce
+    monkeypatch.setattr(daemon_mod, "read_environ", lambda pid: ({"G": "g"}, False))
+    d = make_daemon(POLICY)
+    d.stopped = enforce.StoppedSet(str(tmp_path))
+    d._register(sleeper, 0)
+    assert d.table.process(sleeper) is not None
+    d._handle(_event(abi.EV_EXEC, sleeper))
+    assert d.table.process(sleeper) is None
+    assert [e.data["pid"] for e in d.events_log if e.kind == "exec"] == [sleeper]
+
+
+def test_a_registered_process_held_at_cuinit_is_a_new_image(sleeper, monkeypatch, tmp_path):
+    # Its exec event was lost: BPF held it at cuInit because it has no
+    # proc_cfg. It is registered again (its proc_cfg written) and resumed.
+    from hami_bpf import enforce
+    monkeypatch.setattr(daemon_mod, "read_environ", lambda pid: ({"G": "g"}, False))
+    d = make_daemon(POLICY)
+    d.stopped = enforce.StoppedSet(str(tmp_path))
+    d._register(sleeper, 0)
+    d.probes.proc_cfg.clear()            # what the exec program did
+    d._handle(_event(abi.EV_INIT, sleeper, abi.F_STOPPED))
+    assert d.table.process(sleeper) is not None
+    assert sleeper in d.probes.proc_cfg
+    assert [e.data["pid"] for e in d.events_log if e.kind == "exec"] == [sleeper]
+    assert sleeper not in d.stopped
