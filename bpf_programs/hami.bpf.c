@@ -2,7 +2,7 @@
 /*
  * hami.bpf.c: every program hami-bpf loads, in libbpf-bootstrap's order:
  * ABI, maps, helpers, then programs: libcuda uprobes and uretprobes, then the
- * exit tracepoint. Programs are named after what they probe; probes.py
+ * exit and exec tracepoints. Programs are named after what they probe; probes.py
  * attaches one program to several twins (_v2, _ptsz). (bcc makes programs,
  * and rewrites map calls, only in the main file: hence one file.)
  *
@@ -51,7 +51,8 @@ static __always_inline int controller_alive(struct hami_config *c)
 
 static __always_inline struct hami_proc *get_proc(__u32 tgid)
 {
-	struct hami_proc init = { .charged = HAMI_GROUP_NONE, .last_dev = -1 };
+	struct hami_proc init = { .charged = HAMI_GROUP_NONE, .last_dev = -1,
+				  .image = bpf_ktime_get_ns() };
 	struct hami_proc *p = procs.lookup(&tgid);
 	if (p)
 		return p;
@@ -378,14 +379,15 @@ static __always_inline int alloc_return(struct pt_regs *ctx)
 	if (rc == 0) {
 		kind = call.fn == HAMI_FN_CREATE ? HAMI_KIND_HANDLE : HAMI_KIND_PTR;
 		struct hami_akey ak = { .tgid = tgid, .kind = kind, .ptr = ptr };
-		struct hami_alloc rec = { .size = size, .device = call.device };
+		struct hami_proc *p = procs.lookup(&tgid);
+		struct hami_alloc rec = { .size = size, .device = call.device,
+					  .image = p ? p->image : 0 };
 		if (allocs.update(&ak, &rec) != 0)
 			stat_inc(HAMI_STAT_ALLOCS_FULL);
 		charge(tgid, call.group, call.device, size, 0);
 		/* Admitted without a group, but the process was adopted meanwhile:
 		 * the group must see these bytes too. */
 		if (!(call.flags & HAMI_F_RESERVED)) {
-			struct hami_proc *p = procs.lookup(&tgid);
 			__u32 g = p ? (__u32)p->charged : HAMI_GROUP_NONE;
 			if (g != HAMI_GROUP_NONE) {
 				struct hami_gkey gk2 = { .group = g, .device = call.device };
@@ -425,6 +427,12 @@ static __always_inline int free_enter(struct pt_regs *ctx, __u32 kind, __u64 ptr
 	struct hami_alloc *rec = allocs.lookup(&ak);
 	__u64 size = 0;
 	__s32 dev = -1;
+	if (rec && p && rec->image != p->image) {
+		/* Made by the image before an exec, whose bytes went back at the
+		 * exec: freeing it now must not take them off again. */
+		allocs.delete(&ak);
+		rec = 0;
+	}
 	if (rec) {
 		size = rec->size;
 		dev = rec->device;
@@ -953,7 +961,36 @@ int uretprobe__sync_return(struct pt_regs *ctx)
 	return 0;
 }
 
-/* ---- exits ---------------------------------------------------------------- */
+/* ---- exits and execs ------------------------------------------------------ */
+
+/*
+ * A process image we know (it is in `procs`) is gone: give the bytes it held
+ * back to its group and delete its entries, so that whatever comes next under
+ * this pid (a reused pid, or the new image after an exec) starts clean.
+ * Returns the group the bytes were charged to.
+ */
+static __always_inline __u32 release_image(__u32 tgid, struct hami_proc *p)
+{
+	__u32 group = (__u32)p->charged;
+#pragma unroll
+	for (int d = 0; d < HAMI_MAX_DEVS; d++) {
+		struct hami_pkey pk = { .tgid = tgid, .device = d };
+		__u64 *held = pmem.lookup(&pk);
+		if (!held)
+			continue;
+		if (group != HAMI_GROUP_NONE && *held) {
+			struct hami_gkey gk = { .group = group, .device = d };
+			struct hami_gmem *gm = grp_mem.lookup(&gk);
+			if (gm)
+				__sync_fetch_and_add(&gm->used, -*held);
+		}
+		pmem.delete(&pk);
+	}
+	procs.delete(&tgid);
+	proc_cfg.delete(&tgid);
+	launches.delete(&tgid);
+	return group;
+}
 
 /*
  * Every exiting thread gives back a reservation whose return probe will never
@@ -986,26 +1023,40 @@ int tracepoint__sched__sched_process_exit(void *args)
 	struct hami_proc *p = procs.lookup(&tgid);
 	if (!p)
 		return 0;
-	__u32 group = (__u32)p->charged;
-#pragma unroll
-	for (int d = 0; d < HAMI_MAX_DEVS; d++) {
-		struct hami_pkey pk = { .tgid = tgid, .device = d };
-		__u64 *held = pmem.lookup(&pk);
-		if (!held)
-			continue;
-		if (group != HAMI_GROUP_NONE && *held) {
-			struct hami_gkey gk = { .group = group, .device = d };
-			struct hami_gmem *gm = grp_mem.lookup(&gk);
-			if (gm)
-				__sync_fetch_and_add(&gm->used, -*held);
-		}
-		pmem.delete(&pk);
-	}
-	procs.delete(&tgid);
-	proc_cfg.delete(&tgid);
-	launches.delete(&tgid);
+	__u32 group = release_image(tgid, p);
 
 	struct hami_event *e = new_event(HAMI_EV_EXIT);
+	if (e) {
+		e->group = group;
+		events.ringbuf_submit(e, 0);
+	}
+	return 0;
+}
+
+/*
+ * execve replaced a process image: the old image's CUDA memory died with it,
+ * so its bytes go back to its group as at an exit, and the new image starts
+ * unclassified (no proc_cfg: held at its cuInit like any new process). The
+ * pid and its start time stay: only this event tells the controller. The
+ * other threads of the old image exited through the program above (a
+ * non-leader that execs takes over the leader's pid after the leader's exit
+ * released the image: then there is nothing left here). Its allocation
+ * records stay behind under the pid, marked with the old image
+ * (hami_alloc.image), so a free in the new image never matches them.
+ */
+int tracepoint__sched__sched_process_exec(void *args)
+{
+	__u64 id = bpf_get_current_pid_tgid();
+	__u32 tgid = id >> 32, tid = (__u32)id;
+
+	cur_ctx.delete(&tid);
+	sync_at.delete(&tid);
+	struct hami_proc *p = procs.lookup(&tgid);
+	if (!p)
+		return 0;
+	__u32 group = release_image(tgid, p);
+
+	struct hami_event *e = new_event(HAMI_EV_EXEC);
 	if (e) {
 		e->group = group;
 		events.ringbuf_submit(e, 0);

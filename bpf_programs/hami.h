@@ -13,7 +13,7 @@
 #ifndef HAMI_H
 #define HAMI_H
 
-#define HAMI_ABI_VERSION 1
+#define HAMI_ABI_VERSION 2
 
 /* Event kinds sent through the ring buffer. */
 #define HAMI_EV_INIT        1  /* cuInit entered: a process uses CUDA; stopped if flags has HAMI_F_STOPPED */
@@ -27,6 +27,7 @@
 #define HAMI_EV_CTX         9  /* a context was bound to a device (informational) */
 #define HAMI_EV_NVMLMEM    11  /* nvmlDeviceGetMemoryInfo[_v2] returned; ptr = nvmlMemory*, aux = struct version (1, 2); stopped as MEMINFO */
 #define HAMI_EV_THROTTLE   10  /* a launch found its group's SM budget spent: the process is stopped (flags) */
+#define HAMI_EV_EXEC       12  /* a process we know replaced its image (execve): the old image's bytes went back to its group */
 
 /* Allocation kinds: a device pointer and a cuMemCreate handle are different
  * name spaces in one process. */
@@ -98,6 +99,8 @@ struct hami_proc {
 	__u64 charged;   /* group this process's bytes are charged to; set once (64-bit: cmpxchg) */
 	__s32 last_dev;  /* the visible device a thread of this process last bound */
 	__u32 pad;
+	__u64 image;     /* when this entry was made (bpf_ktime_get_ns): one value per
+			  * process image, since an exec deletes the entry */
 };
 
 /* proc_cfg: key __u32 tgid. Owned by the controller (whole-value writes). */
@@ -142,6 +145,7 @@ struct hami_alloc {
 	__u64 size;
 	__s32 device;    /* physical */
 	__u32 pad;
+	__u64 image;     /* hami_proc.image of the process when it allocated */
 };
 
 /* inflight: an entry probe's arguments, until its return probe. key __u32 tid. */

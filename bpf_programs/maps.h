@@ -29,8 +29,10 @@ BPF_RINGBUF_OUTPUT(events, HAMI_RINGBUF_PAGES);
  * Created by the first libcuda probe a process hits (charged = NONE); the
  * first probe after the controller assigned a group moves the process's bytes
  * into it (cmpxchg on charged, so exactly once); deleted by the
- * sched_process_exit program when the leader exits. Also the set of pids
- * whose exit we report. */
+ * sched_process_exit program when the leader exits, and by the
+ * sched_process_exec program when the process replaces its image (the next
+ * probe creates a new entry, with a new `image`). Also the set of pids whose
+ * exit and exec we report. */
 BPF_HASH(procs, __u32, struct hami_proc, HAMI_MAX_PROCS);
 
 /* proc_cfg: key __u32 tgid -> struct hami_pcfg. Owned by the controller:
@@ -56,7 +58,9 @@ BPF_HASH(grp_lim, struct hami_gkey, struct hami_glim, HAMI_MAX_GROUPS * 8);
 
 /* allocs: key hami_akey (tgid, kind, pointer or handle) -> hami_alloc.
  * Inserted by an allocation's return probe, deleted by the matching free.
- * Records of exited processes are swept by the controller. */
+ * Records of exited processes, and of images an exec replaced (their `image`
+ * is not the process's), are swept by the controller; a free ignores the
+ * latter. */
 BPF_HASH(allocs, struct hami_akey, struct hami_alloc, HAMI_MAX_ALLOCS);
 
 /* inflight: key __u32 tid -> hami_call: arguments an entry probe saves for its

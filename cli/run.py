@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import click
 
@@ -132,6 +133,8 @@ def run(libcuda, group_by, socket_path, count_launches, policy, env_limits, oom_
     # Imported here: the daemon pulls in bcc, which the other commands must not need.
     from hami_bpf import daemon
     try:
-        daemon.run(cfg)
+        rc = daemon.run(cfg)
     except daemon.DaemonError as e:
         raise CliError(" ".join(str(e).split())) from None
+    if rc:
+        sys.exit(rc)

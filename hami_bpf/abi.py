@@ -8,7 +8,7 @@ from __future__ import annotations
 import ctypes as ct
 from pathlib import Path
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 BPF_DIR = Path(__file__).resolve().parent.parent / "bpf_programs"
 
@@ -38,6 +38,7 @@ EV_TOTALMEM = 8
 EV_CTX = 9
 EV_THROTTLE = 10
 EV_NVMLMEM = 11
+EV_EXEC = 12
 
 KIND_PTR = 0
 KIND_HANDLE = 1
@@ -113,7 +114,8 @@ class Event(ct.Structure):
 
 
 class Proc(ct.Structure):
-    _fields_ = [("charged", ct.c_uint64), ("last_dev", ct.c_int32), ("pad", ct.c_uint32)]
+    _fields_ = [("charged", ct.c_uint64), ("last_dev", ct.c_int32), ("pad", ct.c_uint32),
+                ("image", ct.c_uint64)]
 
 
 class ProcCfg(ct.Structure):
@@ -141,7 +143,8 @@ class AKey(ct.Structure):
 
 
 class Alloc(ct.Structure):
-    _fields_ = [("size", ct.c_uint64), ("device", ct.c_int32), ("pad", ct.c_uint32)]
+    _fields_ = [("size", ct.c_uint64), ("device", ct.c_int32), ("pad", ct.c_uint32),
+                ("image", ct.c_uint64)]
 
 
 class Call(ct.Structure):

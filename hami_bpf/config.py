@@ -5,7 +5,9 @@ usage error) and by the daemon (which can trust a DaemonConfig it is given).
 """
 from __future__ import annotations
 
+import os
 import re
+import stat
 from dataclasses import dataclass
 
 from .throttle import TURN_PERIOD_S
@@ -18,6 +20,34 @@ GROUP_BY_FIXED = ("cgroup", "pid")
 OOM_ACTIONS = ("auto", "return-oom", "stop-rewrite", "kill", "observe")
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+
+
+def unsafe_chain(path: str) -> str | None:
+    """Why someone other than root could replace the file at ``path``, or
+    None. Every directory from / down to it, along the path as given and as
+    resolved (symbolic links followed), must be owned by root and writable by
+    no one else. A sticky world-writable directory such as /tmp is refused
+    too, as sudo and sshd refuse it: its other users can still create the
+    names we would look up there. The file itself is checked by its opener."""
+    dirs: list[str] = []
+    for p in (os.path.realpath(path), os.path.abspath(path)):   # the real directory named first
+        d = os.path.dirname(p)
+        while d not in dirs:
+            dirs.append(d)
+            if d == os.path.dirname(d):
+                break
+            d = os.path.dirname(d)
+    for d in dirs:
+        try:
+            st = os.stat(d)      # a linked component is judged where it leads (also checked)
+        except OSError as e:
+            return f"directory {d}: {e.strerror}"
+        if st.st_uid != 0:
+            return f"directory {d} is owned by uid {st.st_uid}, not root"
+        if st.st_mode & 0o022:
+            return (f"directory {d} is writable by group or others "
+                    f"(mode {stat.S_IMODE(st.st_mode):o})")
+    return None
 
 
 def parse_group_by(value: str) -> str:

@@ -8,10 +8,12 @@ immutable Snapshot, swapped in by reference.
 from __future__ import annotations
 
 import collections
+import errno
 import logging
 import math
 import os
 import signal
+import stat as stat_
 import subprocess
 import sys
 import threading
@@ -22,12 +24,12 @@ from pathlib import Path
 from . import abi, containers, enforce
 from .ptrace import PtraceError, read_mem, write_mem
 from .actions import ClearSlot, Compacted, CreateGroup, DeleteGroup, ReleaseProcess, WriteSlot
-from .config import DaemonConfig
+from .config import DaemonConfig, unsafe_chain
 from .events import (GroupLimitSet, LaunchesCounted, MemoryAllocated, MemoryFreed, ProcessExited,
                      ProcessRegistered, ProcKey)
-from .limits import (HAMI_DEFAULT_PRIORITY, EnvLimits, PolicyError, effective_limits,
+from .limits import (HAMI_DEFAULT_PRIORITY, EnvLimits, PolicyError, clipped, effective_limits,
                      effective_sched, load_policy, parse_env_limits, physical_to_visible,
-                     visible_to_physical)
+                     visible_entries, visible_to_physical)
 from .metrics import observe_exit_latency
 from .slots import SlotTable
 from .sm import duty, guard
@@ -71,6 +73,34 @@ class DaemonError(RuntimeError):
     """A start-up failure the CLI prints as one line (exit 2)."""
 
 
+class LockError(DaemonError):
+    """A library's lock file or its directory is not safe to use."""
+
+
+# One lock per probed library file, here: a directory only root can write
+# (created 0700; its parent is the default state and socket directory).
+LOCK_DIR = "/run/hami-bpf/locks"
+
+
+def _lock_dir() -> str:
+    """LOCK_DIR, made if missing, after checking that it and every directory
+    above it are real directories only root can write (LockError if not)."""
+    for d, mode in ((os.path.dirname(LOCK_DIR), 0o755), (LOCK_DIR, 0o700)):
+        try:
+            os.mkdir(d, mode)
+        except FileExistsError:
+            pass
+        except OSError as e:
+            raise LockError(f"making lock directory {d}: {e.strerror}") from None
+        st = os.lstat(d)
+        if not stat_.S_ISDIR(st.st_mode):
+            raise LockError(f"lock directory {d} is not a directory (a symbolic link?): refused")
+    bad = unsafe_chain(os.path.join(LOCK_DIR, "x"))
+    if bad:
+        raise LockError(f"lock directory {LOCK_DIR}: {bad}: refused")
+    return LOCK_DIR
+
+
 # --- /proc helpers ------------------------------------------------------------
 
 def _read(path: str) -> bytes | None:
@@ -81,14 +111,59 @@ def _read(path: str) -> bytes | None:
         return None
 
 
-def proc_environ(pid: int) -> dict[str, str]:
-    raw = _read(f"/proc/{pid}/environ") or b""
+# Bytes of /proc/PID/environ read (the kernel allows a quarter of the stack
+# limit, gigabytes): the variables that matter come from the container spec,
+# a few KiB. Past this the environment is cut and the cut is reported.
+ENVIRON_MAX = 1 << 20
+# Longest group name kept as is; a longer one (an env:NAME value, say) is cut
+# and made unique again by a hash of the whole.
+GROUP_NAME_MAX = 1024
+LABEL_MAX = 253            # a Kubernetes name's limit
+PROBLEMS_SHOWN = 8         # malformed variables recorded per process
+
+
+def _read_bounded(path: str, limit: int) -> tuple[bytes | None, bool]:
+    """At most ``limit`` bytes of ``path``, and whether there was more."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(limit + 1)
+    except OSError:
+        return None, False
+    return raw[:limit], len(raw) > limit
+
+
+def parse_environ(raw: bytes, truncated: bool = False) -> dict[str, str]:
+    """NUL-separated NAME=value items, decoded leniently (any bytes in, text
+    out). With ``truncated`` the last item is dropped: it may be cut short."""
+    items = raw.split(b"\0")
+    if truncated and items:
+        items.pop()
     env = {}
-    for item in raw.split(b"\0"):
+    for item in items:
         k, sep, v = item.partition(b"=")
         if sep:
             env[k.decode(errors="replace")] = v.decode(errors="replace")
     return env
+
+
+def read_environ(pid: int) -> tuple[dict[str, str], bool]:
+    """(environment of ``pid``, whether it was cut at ENVIRON_MAX bytes)."""
+    raw, cut = _read_bounded(f"/proc/{pid}/environ", ENVIRON_MAX)
+    return parse_environ(raw or b"", cut), cut
+
+
+def proc_environ(pid: int) -> dict[str, str]:
+    return read_environ(pid)[0]
+
+
+def bounded_name(name: str, limit: int = GROUP_NAME_MAX) -> str:
+    """``name`` if it is at most ``limit`` characters, else a prefix and a
+    hash of the whole: still one name per distinct input."""
+    if len(name) <= limit:
+        return name
+    import hashlib
+    digest = hashlib.sha256(name.encode(errors="surrogatepass")).hexdigest()[:16]
+    return f"{name[:limit - 20]}...{digest}"
 
 
 def proc_cgroup(pid: int) -> str | None:
@@ -128,8 +203,8 @@ def group_of(pid: int, group_by: str, env: dict[str, str] | None) -> str:
     if group_by.startswith("env:"):
         name = group_by[4:]
         e = env if env is not None else proc_environ(pid)
-        return e.get(name) or f"{name}(unset)"
-    return proc_cgroup(pid) or "(exited)"
+        return bounded_name(e.get(name) or f"{name}(unset)")
+    return bounded_name(proc_cgroup(pid) or "(exited)")
 
 
 def pids_mapping(lib: Path) -> list[int]:
@@ -317,6 +392,23 @@ class ProcInfo:
     cvd: str | None = None     # its CUDA_VISIBLE_DEVICES (limits are per visible index)
 
 
+UNCLASSIFIED = "(unclassified)"   # the group of a process whose group could not be read
+
+
+@dataclass
+class Classified:
+    """What registration read of a process (Daemon._classify)."""
+    group: str
+    env: EnvLimits | None = None
+    cvd: str | None = None
+    phys: list[int] = field(default_factory=lambda: list(range(abi.MAX_DEVS)))
+    labels: dict[str, str] = field(default_factory=dict)
+    ns_pid: int | None = None
+    problems: list[str] = field(default_factory=list)    # malformed values, ignored
+    failed: list[str] = field(default_factory=list)      # steps that raised: inputs not used
+    reasons: list[str] = field(default_factory=list)
+
+
 class Daemon:
     def __init__(self, cfg: DaemonConfig):
         self.cfg = cfg
@@ -371,7 +463,11 @@ class Daemon:
         # (threading.Event.set() does; a second SIGINT arriving while the first
         # handler held it deadlocked the daemon before its shutdown).
         self._stopping = False
+        self._stop_signal: int | None = None     # the signal that asked us to stop
         self._reload_asked = False
+        self._reload_job: threading.Thread | None = None    # reading --policy again
+        self._reload_result = None        # (Policy, None) or (None, DaemonError) from it
+        self._reload_again = False        # SIGHUP while it read: read once more
         self._snap = Snapshot.empty()
         self._dirty = True
         self.probes = None
@@ -468,24 +564,39 @@ class Daemon:
         return feats.reg_write and want == "return-oom", feats.probe_write_user
 
     def _load_policy(self) -> None:
-        if not self.cfg.policy:
-            return
-        p = self.cfg.policy
+        if self.cfg.policy:
+            self.policy = self._read_policy(self.cfg.policy)
+
+    @staticmethod
+    def _read_policy(p: str):
+        """The checked and parsed policy file (DaemonError naming what is wrong)."""
+        # Whoever can write the file, or any directory above it, can raise
+        # their own limit: only root may.
+        bad = unsafe_chain(p)
+        if bad:
+            raise DaemonError(f"--policy {p}: {bad}; a workload must not be able to replace "
+                              "the policy")
         try:
-            st = os.stat(p)
+            fd = os.open(os.path.realpath(p), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as e:
             raise DaemonError(f"--policy {p}: {e.strerror}") from None
-        if st.st_uid != 0 or st.st_mode & 0o022:
-            raise DaemonError(f"--policy {p}: must be owned by root and not writable by group or "
-                              f"others (owner uid {st.st_uid}, mode {st.st_mode & 0o777:o}); "
-                              "a workload must not be able to raise its own limit")
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat_.S_ISREG(st.st_mode):
+                raise DaemonError(f"--policy {p}: not a regular file")
+            if st.st_uid != 0 or st.st_mode & 0o022:
+                raise DaemonError(f"--policy {p}: must be owned by root and not writable by "
+                                  f"group or others (owner uid {st.st_uid}, mode "
+                                  f"{st.st_mode & 0o777:o}); a workload must not be able to "
+                                  "raise its own limit")
+            try:
+                text = f.read().decode()
+            except (OSError, UnicodeDecodeError) as e:
+                raise DaemonError(f"--policy {p}: {e}") from None
         try:
-            text = Path(p).read_text()
-            self.policy = load_policy(text, p)
+            return load_policy(text, p)
         except PolicyError as e:
             raise DaemonError(str(e)) from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise DaemonError(f"--policy {p}: {e}") from None
 
     def start(self) -> None:
         from . import libcuda, probes
@@ -504,6 +615,7 @@ class Daemon:
         for pid, what in enforce.StoppedSet.recover(cfg.state_dir).items():
             self.record("recover", f"pid {pid} left stopped by a previous run: {what}", pid=pid)
         self.stopped = enforce.StoppedSet(cfg.state_dir)
+        self.stopped.on_error = self._state_write_failed
         try:
             self.probes = probes.Probes(reg_write=reg_write, probe_write_user=pwu)
         except probes.ProbeError as e:
@@ -587,6 +699,14 @@ class Daemon:
         log.info("ready: %s; oom=%s meminfo=%s; socket %s", ", ".join(map(str, self.libs)),
                  self.mechanisms["oom"], self.mechanisms["meminfo"], cfg.socket)
 
+    def _state_write_failed(self, what: str, err: int | None) -> None:
+        """The stopped-process record cannot be written (a full or read-only
+        state directory): said once; limits and stops go on as before."""
+        self.counters["state_write_errors"] += 1
+        self.record("error", f"state directory: {what}; stopped processes are recorded in "
+                    "memory only until writing works again (limits still apply)",
+                    path=self.cfg.state_dir, errno=err, state_write_failed=True)
+
     def _lock_libs(self) -> None:
         """One controller per library: two would both stop, rewrite and resume
         the same processes. The lock dies with the process, SIGKILL included."""
@@ -600,11 +720,23 @@ class Daemon:
 
     @staticmethod
     def _lock_file(st: os.stat_result) -> tuple[int | None, str]:
-        """The library's lock (by dev:inode), or None if another daemon holds it."""
+        """The library's lock (by dev:inode), or None if another daemon holds
+        it. The locks live in a directory only root can write (LOCK_DIR): in a
+        world-writable one anybody could take a lock's name first and keep
+        the daemon from starting. Raises LockError for a lock that is not
+        our plain file (a link, say)."""
         import fcntl
-        lockdir = "/run/lock" if os.path.isdir("/run/lock") else "/tmp"
-        path = f"{lockdir}/hami-bpf-{st.st_dev}-{st.st_ino}.lock"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        lockdir = _lock_dir()
+        path = f"{lockdir}/{st.st_dev}-{st.st_ino}.lock"
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            raise LockError(f"opening lock {path}: {e.strerror}"
+                            + (" (a symbolic link: refused)" if e.errno == errno.ELOOP else ""))
+        lst = os.fstat(fd)
+        if not stat_.S_ISREG(lst.st_mode) or lst.st_uid != 0:
+            os.close(fd)
+            raise LockError(f"lock {path} is not a regular file owned by root: refused")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -726,7 +858,11 @@ class Daemon:
             os.close(fd)
             self.libtrack.pin(ref)
             return False
-        lock, lock_path = self._lock_file(st)
+        try:
+            lock, lock_path = self._lock_file(st)
+        except LockError as e:
+            os.close(fd)
+            return self._refuse_lib(ref, str(e), kind="config")
         if lock is None:
             os.close(fd)
             return self._refuse_lib(ref, f"another hami-bpf daemon is attached to it (lock "
@@ -869,8 +1005,11 @@ class Daemon:
             wait = min(wait, edge - now)
         return max(1, math.ceil(wait * 1000))
 
-    def stop(self) -> None:
-        """SIGTERM/SIGINT: the loop ends at its next turn (safe in a signal handler)."""
+    def stop(self, signum: int | None = None) -> None:
+        """A fatal signal: the loop ends at its next turn (safe in a signal
+        handler: plain assignments, no lock)."""
+        if self._stop_signal is None:
+            self._stop_signal = signum
         self._stopping = True
 
     def request_reload(self) -> None:
@@ -881,23 +1020,50 @@ class Daemon:
         """Re-read --policy (same ownership and syntax checks as at start) and
         work every group's limits out again from it and its members'
         environments: a policy can now raise a limit as well as lower it,
-        members still only lower. A file that fails a check changes nothing."""
+        members still only lower. A file that fails a check changes nothing.
+
+        Reading and parsing run on a thread (a file of many rules takes
+        seconds): the loop goes on handling events, under the previous policy,
+        until the thread has a result, which it asks the loop to apply (the
+        loop calls this again)."""
         if not self.cfg.policy:
             self.record("config", "SIGHUP: no --policy to reload")
             return
-        old = self.policy
-        try:
-            self._load_policy()
-        except DaemonError as e:
-            self.policy = old
-            self.record("error", f"reloading policy: {e}; the previous policy stays in force")
+        job = self._reload_job
+        if job is not None and job.is_alive():
+            self._reload_again = True     # read the file again once this one is in
             return
-        self.counters["policy_reloads"] += 1
-        for g in self.table.groups():
-            self._recompute_limits(g.name)
-        self._sync_launch_probes()
-        self.record("config", f"policy {self.cfg.policy} reloaded", policy=str(self.cfg.policy))
-        self._dirty = True
+        if job is None:
+            self._reload_again = False
+            path = self.cfg.policy
+
+            def read():
+                try:
+                    self._reload_result = (self._read_policy(path), None)
+                except DaemonError as e:
+                    self._reload_result = (None, e)
+                except Exception as e:  # noqa: BLE001 - reported by the loop
+                    self._reload_result = (None, DaemonError(f"--policy {path}: {e}"))
+                self._reload_asked = True     # the loop applies it at its next turn
+            self._reload_result = None
+            self._reload_job = threading.Thread(target=read, name="hami-policy", daemon=True)
+            self._reload_job.start()
+            return
+        self._reload_job = None
+        new, err = self._reload_result or (None, DaemonError("--policy: not read"))
+        self._reload_result = None
+        if err is not None:
+            self.record("error", f"reloading policy: {err}; the previous policy stays in force")
+        else:
+            self.policy = new
+            self.counters["policy_reloads"] += 1
+            for g in self.table.groups():
+                self._recompute_limits(g.name)
+            self._sync_launch_probes()
+            self.record("config", f"policy {self.cfg.policy} reloaded", policy=str(self.cfg.policy))
+            self._dirty = True
+        if self._reload_again:
+            self.reload_policy()
 
     def _recompute_limits(self, group: str) -> None:
         g = self.table.group(group)
@@ -971,6 +1137,13 @@ class Daemon:
         if e.kind == abi.EV_EXIT:
             self._exit(pid, e.ts_ns)
             return
+        if e.kind == abi.EV_EXEC:
+            self._exec(pid, e.ts_ns)
+            return
+        if e.kind == abi.EV_INIT and e.flags & abi.F_STOPPED and self.table.resolve(pid) is not None:
+            # Held at cuInit, so BPF has no proc_cfg for it: a new image whose
+            # exec event was lost (ring buffer full). Its old image is gone.
+            self._exec(pid, e.ts_ns)
         if self.table.resolve(pid) is None:
             if e.kind == abi.EV_INIT and e.flags & abi.F_STOPPED:
                 self.stopped.add(pid, enforce.proc_start_time(pid), "held at cuInit")
@@ -1003,26 +1176,68 @@ class Daemon:
         elif e.kind == abi.EV_THROTTLE:
             self._throttle(e)
 
+    def _classify(self, pid: int, alive: bool) -> "Classified":
+        """Group, limits and device map of ``pid`` from its /proc entries. Each
+        step that fails (whatever the workload put there) is named in
+        ``failed`` and its input is not used: no environment limits, every
+        device visible, the fallback group. So the process is still tracked,
+        and with no more than its group's policy allows."""
+        c = Classified(group="(exited)" if not alive else UNCLASSIFIED)
+        if not alive:
+            return c
+
+        def step(what, fn):
+            try:
+                return fn()
+            except Exception as e:  # noqa: BLE001 - a workload's input must not untrack it
+                c.failed.append(what)
+                c.reasons.append(f"{what}: {type(e).__name__}: {clipped(str(e))}")
+                return None
+
+        got = step("environment", lambda: read_environ(pid))
+        env, cut = got if got is not None else ({}, False)
+        if cut:
+            c.problems.append(f"environment longer than {ENVIRON_MAX} bytes: read up to there")
+        if self.cfg.env_limits and env and "environment" not in c.failed:
+            parsed = step("limits", lambda: parse_env_limits(env))
+            if parsed is not None:
+                c.env, problems = parsed
+                c.problems += problems
+        cvd = env.get("CUDA_VISIBLE_DEVICES") if "environment" not in c.failed else None
+        if cvd is not None:
+            def visible():
+                norm = ",".join(visible_entries(cvd))
+                return norm, [visible_to_physical(i, norm, self.devices.uuid_to_index)
+                              for i in range(abi.MAX_DEVS)]
+            got = step("devices", visible)
+            if got is not None:
+                c.cvd, mapped = got
+                c.phys = [i if p is None else p for i, p in enumerate(mapped)]
+        group = step("group", lambda: group_of(pid, self.group_by, env))
+        if group is not None:
+            c.group = group
+        pod = step("pod", lambda: containers.describe(pid, names=self.pod_names, env=env).pod)
+        if pod is not None:
+            c.labels = {clipped(str(k), LABEL_MAX): clipped(str(v), LABEL_MAX)
+                        for k, v in pod.labels().items()}
+        c.ns_pid = step("pid namespace", lambda: ns_pid(pid))
+        if c.failed and ("environment" in c.failed or "limits" in c.failed):
+            c.env = None
+        return c
+
     def _register(self, pid: int, ts_ns: int, comm: str = "", existing: bool = False) -> None:
         if pid == os.getpid():
             return    # the daemon maps libcuda to measure its probes; it is not a workload
         st = enforce.proc_start_time(pid)
-        env = proc_environ(pid) if st is not None else {}
-        limits = None
-        if self.cfg.env_limits and env:
-            limits, problems = parse_env_limits(env)
-            for msg in problems:
-                self.record("config", f"pid {pid}: {msg} (ignored)", pid=pid)
-        cvd = env.get("CUDA_VISIBLE_DEVICES")
-        phys = []
-        for i in range(abi.MAX_DEVS):
-            p = visible_to_physical(i, cvd, self.devices.uuid_to_index) if cvd is not None else i
-            phys.append(i if p is None else p)
-        group = group_of(pid, self.group_by, env) if st is not None else "(exited)"
+        c = self._classify(pid, st is not None)
+        shown = c.problems[:PROBLEMS_SHOWN]
+        if len(c.problems) > len(shown):
+            shown.append(f"{len(c.problems) - len(shown)} more malformed variables")
+        for msg in shown:
+            self.record("config", f"pid {pid}: {msg} (ignored)", pid=pid)
+        group = c.group
         key = ProcKey(pid, st if st is not None else 0)
-        pod = containers.describe(pid, names=self.pod_names, env=env).pod if st is not None else None
-        self.info[pid] = ProcInfo(limits, phys, ns_pid(pid), labels=pod.labels() if pod else {},
-                                  cvd=cvd)
+        self.info[pid] = ProcInfo(c.env, c.phys, c.ns_pid, labels=c.labels, cvd=c.cvd)
         actions = self.table.apply(ProcessRegistered(key, group, comm or proc_comm(pid), ts_ns))
         self._act(actions, new_pid=pid if not existing else None, existing=existing)
         view = self.table.process(pid)
@@ -1032,7 +1247,22 @@ class Daemon:
             self.probes.ensure_proc(pid)
         self.record("register", f"pid {pid} ({view.comm}) registered in group {group!r} slot {view.slot}",
                     pid=pid, group=group, slot=view.slot)
-        self._apply_limits(view.group, view.group_index, pid, cvd)
+        if c.failed:
+            self.counters["classify_failures"] += 1
+            self.record("error", f"pid {pid}: classifying it failed ({'; '.join(c.reasons)}); "
+                        f"tracked in group {group!r} with the policy's limits only",
+                        pid=pid, group=group, classify_failed=list(c.failed))
+        try:
+            self._apply_limits(view.group, view.group_index, pid, c.cvd)
+        except Exception as e:  # noqa: BLE001 - fall back to the policy alone, never to nothing
+            self.counters["classify_failures"] += 1
+            self.record("error", f"pid {pid}: applying its limits failed ({type(e).__name__}: "
+                        f"{clipped(str(e))}); the policy's limits apply", pid=pid, group=group,
+                        classify_failed=["limits"])
+            info = self.info.get(pid)
+            if info is not None:
+                info.env, info.cvd = None, None
+            self._apply_limits(view.group, view.group_index, pid, None)
 
     def _apply_limits(self, group: str, gidx: int, pid: int, cvd: str | None) -> None:
         """A member can lower its group's limit, never raise it above the policy."""
@@ -1050,9 +1280,10 @@ class Daemon:
         current = self.table.limits(group)
         for dev in range(self.devices.count):
             vis = physical_to_visible(dev, cvd, self.devices.uuid_to_index) if cvd is not None else dev
-            if vis is None and cvd is not None:
-                continue  # this process can't see the device
-            env = info.env if info and self.cfg.env_limits else None
+            # A device the process cannot see by its environment still gets
+            # the policy's limit: the environment it started with need not be
+            # the one the driver reads (setenv before cuInit).
+            env = info.env if info and self.cfg.env_limits and vis is not None else None
             mem, sm = effective_limits(self.policy, group, env, dev, visible_index=vis)
             self._apply_sm_cap(group, dev, sm)
             old = current.get(dev)
@@ -1588,6 +1819,20 @@ class Daemon:
         self.exit_latency_ns.append(lat)
         observe_exit_latency(self.counters, lat)
 
+    def _exec(self, pid: int, ts_ns: int) -> None:
+        """The process replaced its image: the old image's memory died with it
+        (BPF gave its bytes back already), so it leaves its group as at an
+        exit. The new image is classified afresh, from its new environment, at
+        its first libcuda call (held at cuInit like any new process)."""
+        view = self.table.process(pid)
+        if view is None:
+            return
+        self.counters["execs"] += 1
+        self.record("exec", f"pid {pid} ({view.comm}) replaced its image: released from group "
+                    f"{view.group!r}", pid=pid, group=view.group)
+        self._act(self.table.apply(ProcessExited(pid, None, ts_ns)))
+        self._lib_release(pid)
+
     def _act(self, actions, new_pid: int | None = None, existing: bool = False) -> None:
         self._after_release = []
         self._act_each(actions, new_pid, existing)
@@ -1906,15 +2151,37 @@ class Daemon:
             remove(group)
 
 
-def run(cfg: DaemonConfig) -> None:
+# Signals whose default action ends the process: each gets SIGTERM's
+# clean-up (resume what we stopped, detach, close). SIGKILL and SIGSTOP cannot
+# be caught; SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT and SIGTRAP report a
+# fault of this process and are left to their default.
+FATAL_SIGNALS = tuple(sorted(
+    {signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
+     signal.SIGALRM, signal.SIGVTALRM, signal.SIGPROF, signal.SIGIO, signal.SIGPWR,
+     signal.SIGXCPU, signal.SIGXFSZ, signal.SIGSYS, signal.SIGPIPE}
+    | {getattr(signal, "SIGSTKFLT", signal.SIGTERM)}
+    | set(range(signal.SIGRTMIN, signal.SIGRTMAX + 1))))
+# Stops asked for: exit status 0. Any other fatal signal: 128 + its number,
+# as a shell reports a process it ended, after the same clean-up.
+REQUESTED_STOPS = (signal.SIGTERM, signal.SIGINT)
+
+
+def run(cfg: DaemonConfig) -> int:
+    """Run the daemon until a fatal signal; returns the exit status."""
     logging.basicConfig(level=logging.DEBUG if cfg.verbose else logging.INFO,
                         format="hami-bpf: %(message)s", stream=sys.stderr)
     d = Daemon(cfg)
 
     def _on_signal(signum, frame):
-        d.stop()
+        d.stop(signum)
 
-    old = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    old = {}
+    for s in FATAL_SIGNALS:
+        try:
+            if signal.getsignal(s) == signal.SIG_DFL:   # not one ignored on purpose (SIGPIPE)
+                old[s] = signal.signal(s, _on_signal)
+        except (OSError, ValueError):
+            pass
     old[signal.SIGHUP] = signal.signal(signal.SIGHUP, lambda signum, frame: d.request_reload())
     try:
         d.start()
@@ -1923,4 +2190,13 @@ def run(cfg: DaemonConfig) -> None:
         d.shutdown()
         for s, h in old.items():
             signal.signal(s, h)
+    sig = d._stop_signal
+    if sig is not None and sig not in REQUESTED_STOPS:
+        try:
+            name = signal.Signals(sig).name
+        except ValueError:          # a real-time signal
+            name = f"signal {sig}"
+        log.info("stopped (%s)", name)
+        return 128 + sig
     log.info("stopped")
+    return 0

@@ -456,6 +456,9 @@ class StoppedSet:
         self.path = os.path.join(state_dir, STATE_FILE)
         self._lock = threading.Lock()
         self._records: dict[int, StoppedRecord] = {}
+        self.failing: str | None = None     # why the last write failed; None: it worked
+        self.write_errors = 0
+        self.on_error = None   # called (message, errno) when writes start failing
 
     # -- persistence
     @staticmethod
@@ -484,7 +487,11 @@ class StoppedSet:
         return out
 
     def _save(self) -> None:
-        os.makedirs(self.state_dir, mode=0o700, exist_ok=True)
+        """Write the record. Never raises: a state directory that is full or
+        gone must not keep a limit from being applied (the caller is about to
+        stop or resume a process either way). A failure is logged once, and
+        once more when writing works again; meanwhile the record in memory
+        still serves this run's shutdown, only a crash loses it."""
         doc = {
             "version": 1,
             "stopped": {
@@ -493,9 +500,27 @@ class StoppedSet:
             },
         }
         tmp = f"{self.path}.tmp.{os.getpid()}.{threading.get_ident()}"
-        with open(tmp, "w") as f:
-            json.dump(doc, f, indent=1, sort_keys=True)
-        os.replace(tmp, self.path)
+        try:
+            os.makedirs(self.state_dir, mode=0o700, exist_ok=True)
+            with open(tmp, "w") as f:
+                json.dump(doc, f, indent=1, sort_keys=True)
+            os.replace(tmp, self.path)
+        except OSError as e:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            self.write_errors += 1
+            if self.failing is None:
+                self.failing = f"writing {self.path}: {e.strerror or e}"
+                if self.on_error is not None:
+                    self.on_error(self.failing, e.errno)
+                else:
+                    log.error("%s; stopped processes are recorded in memory only", self.failing)
+            return
+        if self.failing is not None:
+            log.warning("writing %s works again", self.path)
+            self.failing = None
 
     # -- API
     def add(self, pid: int, start_time: int | None, reason: str = "") -> None:

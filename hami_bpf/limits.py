@@ -43,6 +43,12 @@ so a typo cannot silently drop a limit.
 Precedence (`effective_limits`): a process may lower its group's limit through
 its environment but never raise it above the policy. With no policy the
 environment applies; with neither, unlimited.
+
+Bounds: every value here comes from a workload, so each is parsed within a
+fixed length (`VALUE_MAX` characters for a number, `VISIBLE_MAX` entries of
+`CUDA_VISIBLE_DEVICES`, `DEVICE_INDEX_MAX` digits of a device suffix) before
+any conversion: Python's int() raises past 4300 digits, and a handler that
+raises leaves a process unclassified. Values past a bound are malformed.
 """
 from __future__ import annotations
 
@@ -81,6 +87,15 @@ UTILIZATION_POLICIES = ("default", "force", "disable")
 HAMI_DEFAULT_PRIORITY = 1
 SIZE_MAX = 2**64 - 1  # HAMi-core stores limits in a size_t
 
+# Longest number (after stripping blanks) read from a workload: 2**64 is 20
+# digits, "0x" and 16 hex digits 18, with a "KiB"-style suffix a few more.
+VALUE_MAX = 64
+DEVICE_INDEX_MAX = 3           # digits of a per-device suffix (_<i>)
+VISIBLE_MAX = 64               # CUDA_VISIBLE_DEVICES entries read (a node has at most 16 GPUs)
+VISIBLE_ENTRY_MAX = 128        # characters of one entry (a MIG UUID is ~50)
+PRIORITY_MAX = 1 << 31         # |CUDA_TASK_PRIORITY|: HAMi-core reads it as a C int
+SHOWN_MAX = 64                 # characters of a malformed value quoted in a message
+
 MEM_ENV = "CUDA_DEVICE_MEMORY_LIMIT"
 SM_ENV = "CUDA_DEVICE_SM_LIMIT"
 
@@ -89,6 +104,20 @@ _EMPTY: Mapping[int, int] = MappingProxyType({})
 
 class LimitError(ValueError):
     """Malformed size, percentage or environment value."""
+
+
+def shown(value: str) -> str:
+    """A workload's value as quoted in a message: at most SHOWN_MAX characters."""
+    if len(value) <= SHOWN_MAX:
+        return repr(value)
+    return f"{value[:SHOWN_MAX]!r}... ({len(value)} characters)"
+
+
+def clipped(value: str, limit: int = SHOWN_MAX) -> str:
+    """As `shown`, unquoted."""
+    if len(value) <= limit:
+        return value
+    return f"{value[:limit]}... ({len(value)} characters)"
 
 
 class PolicyError(ValueError):
@@ -127,18 +156,20 @@ def parse_size(text: str) -> int:
     s = text.strip()
     if not s:
         raise LimitError("empty size")
+    if len(s) > VALUE_MAX:
+        raise LimitError(f"{shown(text)}: longer than {VALUE_MAX} characters, not a size")
     m = _SIZE_RE.fullmatch(s)
     if m is None:
         if s.startswith(("-", "+")):
-            raise LimitError(f"{text!r}: size must be a non-negative whole number")
+            raise LimitError(f"{shown(text)}: size must be a non-negative whole number")
         raise LimitError(
-            f"{text!r}: not a size (expected bytes or a number with k/m/g/t or Ki/Mi/Gi/Ti)")
+            f"{shown(text)}: not a size (expected bytes or a number with k/m/g/t or Ki/Mi/Gi/Ti)")
     digits, unit = m.group(1), (m.group(2) or "").lower()
     if len(digits) > 1 and digits[0] == "0" and digits[1] not in "xX":
-        raise LimitError(f"{text!r}: leading zero is ambiguous (HAMi-core reads it as octal)")
+        raise LimitError(f"{shown(text)}: leading zero is ambiguous (HAMi-core reads it as octal)")
     value = int(digits, 0) << (10 * _UNITS[unit])
     if value > SIZE_MAX:
-        raise LimitError(f"{text!r}: larger than 2**64-1 bytes")
+        raise LimitError(f"{shown(text)}: larger than 2**64-1 bytes")
     return value
 
 
@@ -154,11 +185,11 @@ def format_size(n: int) -> str:
 
 def _parse_percent(text: str) -> int:
     s = text.strip()
-    if not s.isdigit() or not s.isascii():
-        raise LimitError(f"{text!r}: expected a whole percentage 0..100")
+    if len(s) > VALUE_MAX or not s.isdigit() or not s.isascii():
+        raise LimitError(f"{shown(text)}: expected a whole percentage 0..100")
     v = int(s)
     if v > 100:
-        raise LimitError(f"{text!r}: percentage above 100")
+        raise LimitError(f"{shown(text)}: percentage above 100")
     return v
 
 
@@ -197,7 +228,7 @@ def parse_env_limits(environ: Mapping[str, str]) -> tuple[EnvLimits, list[str]]:
     problems: list[str] = []
 
     def bad(name: str, value: str, reason: str) -> None:
-        problems.append(f"{name}={value}: {reason}")
+        problems.append(f"{clipped(name)}={clipped(value)}: {reason}")
 
     def size(name: str) -> int | None:
         value = environ[name]
@@ -224,8 +255,8 @@ def parse_env_limits(environ: Mapping[str, str]) -> tuple[EnvLimits, list[str]]:
             if not name.startswith(prefix):
                 continue
             suffix = name[len(prefix):]
-            if not _PER_DEVICE_RE.fullmatch(suffix):
-                bad(name, environ[name], f"{suffix!r} is not a device index")
+            if len(suffix) > DEVICE_INDEX_MAX or not _PER_DEVICE_RE.fullmatch(suffix):
+                bad(name, environ[name], f"{shown(suffix)} is not a device index")
                 continue
             v = parse(name)
             if v:  # 0 and malformed both fall back to the default
@@ -242,16 +273,18 @@ def parse_env_limits(environ: Mapping[str, str]) -> tuple[EnvLimits, list[str]]:
     priority = None
     raw = environ.get("CUDA_TASK_PRIORITY")
     if raw is not None:
-        try:
-            priority = int(raw.strip())
-        except ValueError:
+        s = raw.strip()
+        if len(s) <= VALUE_MAX and re.fullmatch(r"[+-]?[0-9]+", s, re.ASCII) and \
+                abs(int(s)) < PRIORITY_MAX:
+            priority = int(s)
+        else:
             bad("CUDA_TASK_PRIORITY", raw, "expected an integer")
 
     cache = environ.get("CUDA_DEVICE_MEMORY_SHARED_CACHE") or None
     visible = None
     raw = environ.get("CUDA_VISIBLE_DEVICES")
     if raw is not None:
-        visible = tuple(p.strip() for p in raw.split(",")) if raw.strip() else ()
+        visible = tuple(p.strip() for p in visible_entries(raw))
 
     return (
         EnvLimits(
@@ -268,6 +301,14 @@ def parse_env_limits(environ: Mapping[str, str]) -> tuple[EnvLimits, list[str]]:
     )
 
 
+def visible_entries(raw: str) -> list[str]:
+    """The first VISIBLE_MAX entries of a CUDA_VISIBLE_DEVICES value (the rest
+    can name no device: a valid list has no repeats and a node at most 16 GPUs)."""
+    if not raw.strip():
+        return []
+    return raw.split(",", VISIBLE_MAX)[:VISIBLE_MAX]
+
+
 def _resolve_visible(
     cuda_visible_devices: Sequence[str] | str | None, uuid_to_index: Mapping[str, int]
 ) -> list[int] | None:
@@ -277,15 +318,17 @@ def _resolve_visible(
     if cuda_visible_devices is None:
         return None
     if isinstance(cuda_visible_devices, str):
-        entries = cuda_visible_devices.split(",") if cuda_visible_devices.strip() else []
+        entries = visible_entries(cuda_visible_devices)
     else:
-        entries = list(cuda_visible_devices)
+        entries = list(cuda_visible_devices)[:VISIBLE_MAX]
     known = set(uuid_to_index.values())
     lowered = {u.lower(): i for u, i in uuid_to_index.items()}
     out: list[int] = []
     for raw in entries:
         e = raw.strip()
         idx: int | None = None
+        if len(e) > VISIBLE_ENTRY_MAX:
+            break                     # names no device: the list ends here, as CUDA's does
         if e.isascii() and e.isdigit():
             idx = int(e)
             if known and idx not in known:
@@ -362,12 +405,54 @@ class Policy:
     default: LimitSpec | None = None
     rules: tuple[GroupRule, ...] = ()
 
+    def __post_init__(self) -> None:
+        # Rules indexed once, so a lookup does not try every rule: literal
+        # patterns by name, the others by the literal text before their first
+        # wildcard (a group name can only match a pattern whose prefix it
+        # starts with). Patterns are compiled at their first use.
+        literal: dict[str, int] = {}
+        by_prefix: dict[str, list[int]] = {}
+        for i, rule in enumerate(self.rules):
+            m = _WILDCARD_RE.search(rule.match)
+            if m is None:
+                literal.setdefault(rule.match, i)
+            else:
+                by_prefix.setdefault(rule.match[:m.start()], []).append(i)
+        object.__setattr__(self, "_literal", literal)
+        object.__setattr__(self, "_by_prefix", by_prefix)
+        object.__setattr__(self, "_prefix_lengths", sorted({len(p) for p in by_prefix}))
+        object.__setattr__(self, "_compiled", {})
+        object.__setattr__(self, "_found", {})
+
+    def _matches(self, i: int, group: str) -> bool:
+        match = self._compiled.get(i)
+        if match is None:
+            match = self._compiled[i] = re.compile(fnmatch.translate(self.rules[i].match)).match
+        return match(group) is not None
+
     def limits_for(self, group: str) -> LimitSpec | None:
-        """First matching rule, else [default], else None."""
-        for rule in self.rules:
-            if fnmatch.fnmatchcase(group, rule.match):
-                return rule.limits
-        return self.default
+        """First matching rule (fnmatch, case-sensitive), else [default], else None."""
+        found = self._found.get(group)
+        if found is None:
+            best = self._literal.get(group, len(self.rules))
+            for n in self._prefix_lengths:
+                if n > len(group):
+                    break
+                for i in self._by_prefix.get(group[:n], ()):
+                    if i >= best:
+                        break             # in file order: an earlier match won already
+                    if self._matches(i, group):
+                        best = i
+                        break
+            if len(self._found) >= _FOUND_MAX:
+                self._found.clear()
+            found = self._found[group] = (best,)
+        best = found[0]
+        return self.rules[best].limits if best < len(self.rules) else self.default
+
+
+_WILDCARD_RE = re.compile(r"[*?\[]")
+_FOUND_MAX = 1 << 16          # group names whose rule a Policy remembers
 
 
 _TOML_POS_RE = re.compile(r"\(at line (\d+), column (\d+)\)")
@@ -380,16 +465,17 @@ class _Lines:
 
     def __init__(self, text: str):
         self.lines = text.splitlines()
-
-    def table(self, name: str, nth: int = 0) -> int | None:
-        count = 0
+        # Header lines by table name, found in one pass: looking each rule's
+        # header up from the top made loading quadratic in the rules.
+        self.headers: dict[str, list[int]] = {}
         for i, line in enumerate(self.lines):
             m = _HEADER_RE.match(line)
-            if m and m.group(1).strip("\"'") == name:
-                if count == nth:
-                    return i + 1
-                count += 1
-        return None
+            if m:
+                self.headers.setdefault(m.group(1).strip("\"'"), []).append(i + 1)
+
+    def table(self, name: str, nth: int = 0) -> int | None:
+        found = self.headers.get(name, ())
+        return found[nth] if nth < len(found) else None
 
     def key(self, table_line: int | None, key: str) -> int | None:
         start = table_line or 0  # 1-based header line == 0-based index of next line

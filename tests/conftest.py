@@ -7,6 +7,8 @@
   is skipped with the reason -- except under CI (env CI=true), where a missing
   capability FAILS the test, so that CI cannot pass by skipping everything.
 * ``@pytest.mark.tmux``: needs the tmux binary; same skip/fail rule.
+* As root, temporary directories live under /run/hami-bpf-tests (0700):
+  policy files must sit in a chain of directories only root can write.
 * Hypothesis: no deadline per example; ``HAMI_HYPOTHESIS_EXAMPLES`` (set by `make test`) sets
   max_examples for every property test.
 """
@@ -38,6 +40,30 @@ try:  # hypothesis is a test extra; unit tests that need it import it themselves
     _hyp_settings.load_profile("hami")
 except ImportError:  # pragma: no cover
     pass
+
+
+def _root_only_tempdir() -> None:
+    """As root, temporary files (pytest's tmp_path, tempfile) go under a
+    directory only root can write, and so do every directory above it: the
+    daemon refuses a policy file anywhere else (a world-writable /tmp
+    included), and the tests write their policies into temporary dirs."""
+    if os.geteuid() != 0:
+        return
+    root = "/run/hami-bpf-tests"
+    try:
+        os.mkdir(root, 0o700)
+    except FileExistsError:
+        pass
+    except OSError:
+        return
+    st = os.lstat(root)
+    import stat
+    if stat.S_ISDIR(st.st_mode) and st.st_uid == 0 and not st.st_mode & 0o022:
+        import tempfile
+        tempfile.tempdir = root
+
+
+_root_only_tempdir()
 
 
 def _tracefs_mounted() -> bool:

@@ -14,9 +14,12 @@
  *   totalmem N | launch N | launchex N | coop N | graph N
  *   getproc NAME [FLAGS] | procalloc SIZE | thread CMD... | sleep MS
  *   stress THREADS ITERS SIZE (threads on this thread's context, alloc+free)
- *   exit CODE | crash | hang
- * exit, crash and hang answer before they act (`ok exit=CODE`, `ok crash=1`,
- * `ok hang=1`), so a driver always gets one line per command.
+ *   exit CODE | crash | hang | exec
+ * exit, crash, hang and exec answer before they act (`ok exit=CODE`,
+ * `ok crash=1`, `ok hang=1`, `ok exec=1`), so a driver always gets one line
+ * per command. exec replaces the process image with a fresh cudaprog (same
+ * pid, environment, stdin and stdout; nothing of the old image's CUDA state
+ * survives); `thread exec` does it from a thread that is not the leader.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -616,6 +619,12 @@ static void run_command(char *line)
             INT_ARG(1, n, "exit CODE");
         reply("ok exit=%lld", n);
         exit((int)n);
+    } else if (!strcmp(c, "exec")) {
+        NEED(0, "exec");
+        reply("ok exec=1");
+        char *args[] = {"cudaprog", NULL};
+        execv("/proc/self/exe", args);
+        reply("err exec: %s", strerror(errno));
     } else if (!strcmp(c, "crash")) {
         NEED(0, "crash");
         reply("ok crash=1");
