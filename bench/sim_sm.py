@@ -5,7 +5,7 @@ The stand-in libcuda's simulated GPU (FAKECUDA_GPU_SIM, see
 hami_bpf/fakecuda/libcuda.c) gives launches device time on one timeline shared
 by all processes, a launch queue that pushes back, and synchronize calls that
 wait for the queue: the dynamics that made the controller hard to get right on
-the H200 (docs/benchmarks.md), reproduced in seconds on a laptop. A real
+the H200 (docs/performance.md), reproduced in seconds on a laptop. A real
 daemon with real uprobes throttles real processes; this prints the same table
 as bench/gpu/sm_summary.py.
 

@@ -64,7 +64,7 @@ EVENT_LOG_LEN = 2000
 HANDLE_BIT = 1 << 64
 # What a PyTorch process's CUDA context, modules and handles held on an H200
 # (driver 580) right after start-up: 554,500,096 bytes by NVML
-# (docs/benchmarks.md). No allocation probe sees it, so each process using a
+# (docs/performance.md). No allocation probe sees it, so each process using a
 # device reserves this much of its group's limit there.
 DEFAULT_CONTEXT_BYTES = 528 << 20   # cuMemCreate handles and device pointers are separate name spaces
 

@@ -6,7 +6,7 @@ launch costs `graph_cost`) to `sm_use.consumed`; a launch that finds
 This module decides `granted` on every tick.
 
 The model (measured on the H200 and reproduced by the stand-in libcuda's
-simulated GPU, bench/sim_sm.py; docs/benchmarks.md):
+simulated GPU, bench/sim_sm.py; docs/performance.md):
 
 1. Learn the full rate F. A new (group, device) runs unthrottled. The host
    can queue a second or more of GPU work before the driver pushes back, so

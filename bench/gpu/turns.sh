@@ -1,5 +1,5 @@
 #!/bin/bash
-# The premise of SM turns (docs/benchmarks.md): two processes sharing a GPU
+# The premise of SM turns (docs/performance.md): two processes sharing a GPU
 # freely vs taking turns by the clock (30%/70% of a period), no hami-bpf.
 # Usage: [KINDS="matmul small"] [PERIODS="0.05 0.1 0.2"] bash bench/gpu/turns.sh
 set -u

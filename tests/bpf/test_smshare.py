@@ -7,7 +7,7 @@ on the H200. Its full rate is known exactly (1 ms kernels: 1000 launches/s),
 so a cap's share is measured without an uncapped run. The tolerance is wider
 than the GPU target (±5 points, bench/gpu/sm_bench.sh) because this is a
 small shared VM; the same runs land within ±1 point on a quiet host
-(bench/sim_sm.py, docs/benchmarks.md).
+(bench/sim_sm.py, docs/performance.md).
 """
 from __future__ import annotations
 
@@ -113,7 +113,7 @@ def test_two_groups_30_70_each_get_their_share(tmp_path, sim):
 def test_on_a_gpu_that_loses_work_when_shared_two_groups_take_turns(tmp_path, sim, alone):
     # Two processes time-slicing an H200 finish ~92% of one alone; this
     # simulated GPU loses 10% while two share it. Paced side by side, 30 and
-    # 70 could not both be met (62.5 / 28.2% on it, docs/benchmarks.md).
+    # 70 could not both be met (62.5 / 28.2% on it, docs/performance.md).
     # Each learns its rate alone (the other held), then they take turns;
     # learning side by side (--no-sm-learn-alone), both learn ~90% of their
     # rates, and the turns raise them by what the GPU leaves idle.

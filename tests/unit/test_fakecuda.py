@@ -199,7 +199,7 @@ def test_threads_allocate_concurrently(fakecuda):
 def test_simulated_gpu_is_shared_and_sharing_can_cost(fakecuda, tmp_path, eff):
     # One FIFO timeline by default; FAKECUDA_SIM_SHARE_EFF=90 serves processes
     # at once and loses 10% while two share it (two matmul processes on an
-    # H200 complete ~90% of what one does alone: docs/benchmarks.md).
+    # H200 complete ~90% of what one does alone: docs/performance.md).
     import threading
     sim = str(tmp_path / "sim")
     env = {"FAKECUDA_GPU_SIM": sim, "FAKECUDA_DEVICES": "1", "FAKECUDA_NS_PER_BLOCK": "1000",
