@@ -2188,8 +2188,12 @@ def run(cfg: DaemonConfig) -> int:
         d.loop()
     finally:
         d.shutdown()
-        for s, h in old.items():
-            signal.signal(s, h)
+        # Clean-up is done and the status decided: a signal still arriving
+        # (a burst of them, a supervisor repeating itself) must not turn a
+        # clean exit into death by signal, so the rest of the way out
+        # ignores them rather than going back to the defaults.
+        for s in old:
+            signal.signal(s, signal.SIG_IGN)
     sig = d._stop_signal
     if sig is not None and sig not in REQUESTED_STOPS:
         try:

@@ -337,10 +337,12 @@ def test_a_hold_it_asked_for_is_released_when_the_cap_goes():
 
 
 def test_the_rate_counts_running_time_so_a_held_group_stays_paced():
-    # A training loop that synchronizes every 150 ms it runs (6.7 Hz), paced at
-    # cap 25: held most of the time, it synchronizes 2-3 times a second of wall
-    # time, near UNPACED_HZ. Its rate per second of running stays 6.7 Hz: one
-    # switch to DUTY, none back.
+    # A training loop that synchronizes every 40 ms it runs (25 Hz), paced at
+    # cap 25: held most of the time, it synchronizes ~6 times a second of
+    # wall time, under UNPACED_HZ. Its rate per second of running stays
+    # 25 Hz: one switch to DUTY, none back.
+    step_s = 0.04
+    assert 1 / step_s >= duty.PACED_HZ and 0.25 / step_s < duty.UNPACED_HZ
     p = DutyPacer()
     now, consumed, syncs, since, ran = 0.0, 0, 0, None, 0.0
     p.step(obs(now, cap=25.0))
@@ -350,7 +352,7 @@ def test_the_rate_counts_running_time_so_a_held_group_stays_paced():
         if since is None:
             consumed += 1
             ran += 0.01
-            if ran >= 0.15 - 1e-9:
+            if ran >= step_s - 1e-9:
                 syncs, ran = syncs + 1, 0.0
         else:
             held_s += 0.01

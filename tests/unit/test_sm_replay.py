@@ -44,8 +44,8 @@ EXPECT = {                   # hami_bpf.sm.synth's workloads
     "decode": "duty",        # a token every ~7 ms, a synchronize per token
     "cnn_train": "duty",     # a synchronize per ~50 ms step (autotuning first, in BUDGET)
     "gpu_bound": "budget",   # never synchronizes
-    "train_slow": "duty",    # 150 ms steps: at cap 25, held at most MAX_HOLD_S a step (37.5%)
-    "prefill": "duty",       # waits ~100 ms in each synchronize: active while it waits
+    "train_slow": "budget",  # 150 ms steps: under PACED_HZ, the launch budget paces it
+    "prefill": "budget",     # ~100 ms steps: under PACED_HZ as well
     "phased": "duty",        # decode, then stretches in BUDGET mode (free here): duty windows only
 }
 TRACE_EXPECT = {             # recordings made on a GPU (judged on their timed loop)
@@ -132,7 +132,8 @@ def test_capped_replay(key, cap):
         want = 100 * expected_ratio(rec, cap)
         assert abs(100 * rep.loop_mean - want) <= TOLERANCE_PTS, (want, rep.line())
     elif expectation(key, rec) == "duty":
-        assert rep.duty_share >= 0.5, f"rarely paced by time: {rep.line()}"
+        # phased spends its stretches between synchronizing phases in BUDGET
+        assert rep.duty_share >= 0.4, f"rarely paced by time: {rep.line()}"
         assert rep.duty_mean is not None, f"no whole second in DUTY after 5 s: {rep.line()}"
         want = 100 * expected_ratio(rec, cap)
         assert abs(100 * rep.duty_mean - want) <= TOLERANCE_PTS, (want, rep.line())
