@@ -33,7 +33,7 @@ asked for stays its to end when the group leaves DUTY mode or loses its cap
 while held (it is released then: its debts are forgiven).
 
 The synchronize rate that decides the mode is counted per second of running
-(held time left out): a group held three quarters of the time at cap 25
+(time held by this pacer left out; the launch budget's holds stay in): a group held three quarters of the time at cap 25
 synchronizes a quarter as often per second of wall time, which would hand it
 back to the launch budget and then, running freely, to this pacer again.
 
@@ -190,7 +190,11 @@ class DutyPacer:
             else:
                 k.debt += ran * k.owes_per_s()
             k.debt -= dt - ran
-            k.held_s += dt - ran
+            if k.mode is Mode.DUTY:
+                # Only its own holds: time the launch budget holds a group
+                # for would make a slow loop look like a fast one per second
+                # of running, and hand it to this pacer.
+                k.held_s += dt - ran
             k.debt = min(max(k.debt, -BURST_S * k.owes_per_s()), MAX_DEBT_S)
             k.t, k.consumed, k.syncs = now, u.consumed, u.syncs
             k.sync_marks.append((now, u.syncs, k.held_s))
