@@ -2178,7 +2178,9 @@ def run(cfg: DaemonConfig) -> int:
     old = {}
     for s in FATAL_SIGNALS:
         try:
-            if signal.getsignal(s) == signal.SIG_DFL:   # not one ignored on purpose (SIGPIPE)
+            # Not one ignored on purpose (SIGPIPE); Python's own SIGINT
+            # handler (KeyboardInterrupt) would skip the clean-up's order.
+            if signal.getsignal(s) in (signal.SIG_DFL, signal.default_int_handler):
                 old[s] = signal.signal(s, _on_signal)
         except (OSError, ValueError):
             pass
