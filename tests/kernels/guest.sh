@@ -34,7 +34,7 @@ mount -t tmpfs tmpfs /dev/shm
 # keep it visible at the same path across the fresh tmpfs mounts below.
 mkdir -p /hami-repo && mount --bind "$REPO" /hami-repo
 mount -t tmpfs tmpfs /tmp
-mount -t tmpfs tmpfs /run
+mount -t tmpfs -o mode=0755 tmpfs /run   # as on a host: the daemon refuses a /run others can write
 mkdir -p "$REPO" && mount --bind /hami-repo "$REPO"
 mount -t tracefs nodev /sys/kernel/tracing
 mount -t debugfs nodev /sys/kernel/debug
