@@ -1505,11 +1505,12 @@ class Daemon:
         """Step duty pacing (sm.duty) for every capped (group, device) and
         write what it asks of the groups it paces: a stop at the next
         synchronize's return, or at the next launch where none came."""
-        caps, held = {}, {}
+        caps, held, names = {}, {}, {}
         for name, per_dev in self.sm_caps.items():
             g = self.table.group(name)
             if g is None:
                 continue
+            names[g.index] = name
             for dev, cap in per_dev.items():
                 caps[(g.index, dev)] = cap
             if name in self.throttled:
@@ -1519,7 +1520,6 @@ class Daemon:
             k: duty.Use(consumed=v[0], syncs=v[5], waiting=waiting.get(k, 0))
             for k, v in use.items() if k in caps})
         d = self.duty.step(obs)
-        names = self._group_names()
         for key, mode in d.mode_changes:
             name = names.get(key[0], str(key[0]))
             self.counters[f"sm_mode_{mode.value}"] += 1
