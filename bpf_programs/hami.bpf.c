@@ -224,14 +224,54 @@ static __always_inline int take_call(__u32 tid, struct hami_call *out)
 
 /* ---- admission ---------------------------------------------------------- */
 
+#ifdef HAMI_HAVE_REG_WRITE
+/*
+ * The address of a `ret` byte at or after `entry` in the probed function's
+ * code, 0 if none is readable within the scan. Jumping there returns to the
+ * caller through the return address the call pushed, which is where the
+ * kernel hijacks it for return probes: it does so after every entry handler
+ * has run, at the stack pointer they leave, so a refusal must leave the stack
+ * as it is (popping the return address itself would have the kernel plant
+ * its trampoline in the caller's frame).
+ */
+static __always_inline __u64 find_ret(__u64 entry)
+{
+	__u8 buf[HAMI_RET_SCAN_CHUNK];
+	for (int c = 0; c < HAMI_RET_SCAN_CHUNKS; c++) {
+		__u64 at = entry + (__u64)c * HAMI_RET_SCAN_CHUNK;
+		if (bpf_probe_read_user(buf, sizeof(buf), (void *)at) != 0)
+			return 0;
+		for (int i = 0; i < HAMI_RET_SCAN_CHUNK; i++)
+			if (buf[i] == HAMI_X86_RET)
+				return at + i;
+	}
+	return 0;
+}
+#endif
+
 /*
  * Refuse an allocation. Returns the action taken (HAMI_ACT_*). With
  * stop-rewrite the process is stopped here and the controller makes the call
- * return CUDA_ERROR_OUT_OF_MEMORY before resuming it.
+ * return CUDA_ERROR_OUT_OF_MEMORY before resuming it. return-oom returns it
+ * here, in the kernel; where no `ret` is found to return through it falls
+ * back to stop-rewrite, which the event's action tells the controller.
  */
 static __always_inline __u32 deny(struct pt_regs *ctx, struct hami_config *c)
 {
 	__u32 act = c ? c->oom_action : HAMI_ACT_OBSERVE;
+#ifdef HAMI_HAVE_REG_WRITE
+	if (act == HAMI_ACT_RETURN_OOM) {
+		/* The driver never runs: resume at a `ret` with the error in rax. */
+		__u64 ret = find_ret(PT_REGS_IP(ctx));
+		if (ret) {
+			ctx->ip = ret;
+			ctx->ax = HAMI_CUDA_ERROR_OUT_OF_MEMORY;
+			return act;
+		}
+		stat_inc(HAMI_STAT_RET_FALLBACKS);
+		act = HAMI_ACT_STOP_REWRITE;
+	}
+#endif
 	switch (act) {
 	case HAMI_ACT_STOP_REWRITE:
 		if (!controller_alive(c)) {
@@ -244,19 +284,6 @@ static __always_inline __u32 deny(struct pt_regs *ctx, struct hami_config *c)
 	case HAMI_ACT_KILL:
 		bpf_send_signal(HAMI_SIGKILL);
 		return act;
-#ifdef HAMI_HAVE_REG_WRITE
-	case HAMI_ACT_RETURN_OOM: {
-		/* Return to the caller with CUDA_ERROR_OUT_OF_MEMORY; the driver
-		 * never runs. */
-		__u64 ret = 0;
-		if (bpf_probe_read_user(&ret, sizeof(ret), (void *)ctx->sp) != 0)
-			return HAMI_ACT_OBSERVE;
-		ctx->ip = ret;
-		ctx->sp += 8;
-		ctx->ax = 2;
-		return act;
-	}
-#endif
 	default:
 		return HAMI_ACT_OBSERVE;
 	}

@@ -13,7 +13,7 @@
 #ifndef HAMI_H
 #define HAMI_H
 
-#define HAMI_ABI_VERSION 2
+#define HAMI_ABI_VERSION 3
 
 /* Event kinds sent through the ring buffer. */
 #define HAMI_EV_INIT        1  /* cuInit entered: a process uses CUDA; stopped if flags has HAMI_F_STOPPED */
@@ -43,6 +43,16 @@
 /* Signals the probes send (x86-64 numbers; bpf_send_signal takes a number). */
 #define HAMI_SIGKILL 9
 #define HAMI_SIGSTOP 19
+
+/* CUDA driver results the probes return in a refused call's place. */
+#define HAMI_CUDA_ERROR_OUT_OF_MEMORY 2
+
+/* return-oom resumes a refused call at a `ret` byte of the probed function's
+ * own code (x86-64 opcode), found within this many bytes of its entry, read
+ * in chunks so that a read stops at the end of the mapping. */
+#define HAMI_X86_RET          0xc3
+#define HAMI_RET_SCAN_CHUNK   64
+#define HAMI_RET_SCAN_CHUNKS  16
 
 /* Deny actions (event aux for HAMI_EV_DENY), also the config's oom_action. */
 #define HAMI_ACT_OBSERVE      0
@@ -74,7 +84,8 @@
 #define HAMI_STAT_STALE_SKIPS     6 /* a stop was skipped: heartbeat stale */
 #define HAMI_STAT_CTX_FULL        7
 #define HAMI_STAT_THROTTLES       8 /* launches that found the budget spent */
-#define HAMI_STAT_MAX             9
+#define HAMI_STAT_RET_FALLBACKS   9 /* return-oom found no `ret` to resume at: stop-rewrite instead */
+#define HAMI_STAT_MAX             10
 
 struct hami_event {
 	__u32 kind;

@@ -8,7 +8,7 @@ from __future__ import annotations
 import ctypes as ct
 from pathlib import Path
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 BPF_DIR = Path(__file__).resolve().parent.parent / "bpf_programs"
 
@@ -72,7 +72,8 @@ STAT_STOPS = 5
 STAT_STALE_SKIPS = 6
 STAT_CTX_FULL = 7
 STAT_THROTTLES = 8
-STAT_MAX = 9
+STAT_RET_FALLBACKS = 9
+STAT_MAX = 10
 
 STAT_NAMES = {
     STAT_RB_DROPS: "ringbuf_drops",
@@ -84,6 +85,7 @@ STAT_NAMES = {
     STAT_STALE_SKIPS: "stale_heartbeat_skips",
     STAT_CTX_FULL: "ctx_map_full",
     STAT_THROTTLES: "bpf_throttles",
+    STAT_RET_FALLBACKS: "return_oom_fallbacks",
 }
 
 ACTION_NAMES = {

@@ -246,8 +246,11 @@ class Daemon:
         self.stopped_before = stopped_pids()
         err = open(self.stderr_path, "wb")
         try:
+            # Its own process group: the child that closes the probes after
+            # the daemon exits (probes.Probes.close) is found by it.
             self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL,
-                                         stdout=err, stderr=err, close_fds=True)
+                                         stdout=err, stderr=err, close_fds=True,
+                                         start_new_session=True)
         finally:
             err.close()
         t0 = time.monotonic()
@@ -297,7 +300,37 @@ class Daemon:
                 self.returncode = -9
                 return self.returncode
         self.returncode = self.proc.returncode
+        self.wait_group_gone()
         return self.returncode
+
+    def group_pids(self) -> set[int]:
+        """Live processes of the daemon's process group (its background
+        children); zombies are gone as far as probes are concerned."""
+        if self.proc is None:
+            return set()
+        out = set()
+        for d in os.listdir("/proc"):
+            if not d.isdigit():
+                continue
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    fields = f.read().rpartition(")")[2].split()
+            except OSError:
+                continue
+            if len(fields) > 2 and fields[0] != "Z" and int(fields[2]) == self.proc.pid:
+                out.add(int(d))
+        return out
+
+    def wait_group_gone(self, timeout: float = 60) -> set[int]:
+        """Wait until the daemon's background children have exited: until
+        then the probes they hold still fire in every process of the next
+        test. Returns those still there after `timeout` base seconds, scaled."""
+        deadline = time.monotonic() + self.deadlines.timeout(timeout)
+        while True:
+            left = self.group_pids()
+            if not left or time.monotonic() > deadline:
+                return left
+            time.sleep(0.05)
 
     def wait_exit(self, timeout: float = 60) -> int:
         """Wait for the daemon to exit (after a signal the test sent); `timeout`
@@ -313,6 +346,7 @@ class Daemon:
                 f"daemon exit: pid {self.proc.pid} still there after {limit:.1f} s "
                 f"({self.deadlines.explain(timeout)}); waited "
                 f"{time.monotonic() - t0:.1f} s") from None
+        self.wait_group_gone()
         return self.returncode
 
     def new_stopped(self) -> set[int]:
@@ -354,12 +388,15 @@ class Daemon:
 def finish_daemon(d: Daemon) -> None:
     """Fixture teardown: SIGTERM -> exit 0, and no process left stopped."""
     rc = d.stop()
+    lingering = d.group_pids()
     leftover = d.new_stopped()
     log = d.log()
     d.cleanup()
     assert rc == 0, f"daemon exited {rc} on SIGTERM; stderr tail:\n{log[-3000:]}"
     assert not leftover, f"processes left in state T after the daemon exited: " \
                          f"{describe_pids(leftover)}"
+    assert not lingering, f"the daemon's children outlived it (holding its probes): " \
+                          f"{describe_pids(lingering)}"
 
 
 # ------------------------------------------------------------ tracked procs
