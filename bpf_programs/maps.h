@@ -19,6 +19,19 @@
 #define HAMI_RINGBUF_PAGES 256
 #endif
 
+/* Kept maps outlive the daemon: with -DHAMI_PIN_DIR="\"/sys/fs/bpf/...\"" each
+ * is pinned there (created on first load, adopted by every later load), so a
+ * restarted or upgraded daemon finds the usage, allocations, limits and
+ * group membership of running processes where its predecessor left them.
+ * The directory's name carries the layout's fingerprint (hami_bpf/probes.py):
+ * bcc adopts a pinned map without comparing sizes. */
+#ifdef HAMI_PIN_DIR
+#define HAMI_KEPT_HASH(_name, _key, _leaf, _max) \
+	BPF_TABLE_PINNED("hash", _key, _leaf, _name, _max, HAMI_PIN_DIR "/" #_name)
+#else
+#define HAMI_KEPT_HASH(_name, _key, _leaf, _max) BPF_HASH(_name, _key, _leaf, _max)
+#endif
+
 /* events: every hami_event, in the order the probes reserved them.
  * Writer: all programs. Reader: the controller's poll loop. Lost events are
  * counted in stats[HAMI_STAT_RB_DROPS]; the controller's /proc reaper repairs
@@ -33,54 +46,54 @@ BPF_RINGBUF_OUTPUT(events, HAMI_RINGBUF_PAGES);
  * sched_process_exec program when the process replaces its image (the next
  * probe creates a new entry, with a new `image`). Also the set of pids whose
  * exit and exec we report. */
-BPF_HASH(procs, __u32, struct hami_proc, HAMI_MAX_PROCS);
+HAMI_KEPT_HASH(procs, __u32, struct hami_proc, HAMI_MAX_PROCS);
 
 /* proc_cfg: key __u32 tgid -> struct hami_pcfg. Owned by the controller:
  * written at registration and whenever compaction moves the slot, deleted at
  * release; the exit program deletes it too, so a reused pid starts clean. */
-BPF_HASH(proc_cfg, __u32, struct hami_pcfg, HAMI_MAX_PROCS);
+HAMI_KEPT_HASH(proc_cfg, __u32, struct hami_pcfg, HAMI_MAX_PROCS);
 
 /* pmem: key hami_pkey (tgid, physical device) -> __u64 bytes held.
  * Atomic adds/subs by the allocation and free probes; at the leader's exit
  * the exit program subtracts it from the group and deletes it. */
-BPF_HASH(pmem, struct hami_pkey, __u64, HAMI_MAX_PROCS * 4);
+HAMI_KEPT_HASH(pmem, struct hami_pkey, __u64, HAMI_MAX_PROCS * 4);
 
 /* grp_mem: key hami_gkey (group index, physical device) -> hami_gmem.
  * Created by the first charge (lookup-or-init), changed only by BPF atomics:
  * admission at allocation entry, frees, adoption and the exit program.
  * Deleted by the controller when it deletes the group. */
-BPF_HASH(grp_mem, struct hami_gkey, struct hami_gmem, HAMI_MAX_GROUPS * 8);
+HAMI_KEPT_HASH(grp_mem, struct hami_gkey, struct hami_gmem, HAMI_MAX_GROUPS * 8);
 
 /* grp_lim: key hami_gkey -> hami_glim. Written and deleted by the controller
  * only (limits); read by admission and the memory-info probes. No entry:
  * unlimited. */
-BPF_HASH(grp_lim, struct hami_gkey, struct hami_glim, HAMI_MAX_GROUPS * 8);
+HAMI_KEPT_HASH(grp_lim, struct hami_gkey, struct hami_glim, HAMI_MAX_GROUPS * 8);
 
 /* allocs: key hami_akey (tgid, kind, pointer or handle) -> hami_alloc.
  * Inserted by an allocation's return probe, deleted by the matching free.
  * Records of exited processes, and of images an exec replaced (their `image`
  * is not the process's), are swept by the controller; a free ignores the
  * latter. */
-BPF_HASH(allocs, struct hami_akey, struct hami_alloc, HAMI_MAX_ALLOCS);
+HAMI_KEPT_HASH(allocs, struct hami_akey, struct hami_alloc, HAMI_MAX_ALLOCS);
 
 /* inflight: key __u32 tid -> hami_call: arguments an entry probe saves for its
  * return probe. Deleted by the return probe, or at the thread's exit (which
  * also gives back a reservation whose return never came). */
-BPF_HASH(inflight, __u32, struct hami_call, 16384);
+HAMI_KEPT_HASH(inflight, __u32, struct hami_call, 16384);
 
 /* ctx_dev: key hami_ckey (tgid, CUcontext) -> __s32 device. Written by the
  * return probes of cuDevicePrimaryCtxRetain and cuCtxCreate*, deleted by
  * cuCtxDestroy_v2; the controller sweeps exited processes. */
-BPF_HASH(ctx_dev, struct hami_ckey, __s32, 65536);
+HAMI_KEPT_HASH(ctx_dev, struct hami_ckey, __s32, 65536);
 
 /* nvml_dev: key hami_ckey (tgid, nvmlDevice_t) -> __s32 NVML (physical)
  * index. Written by the return of nvmlDeviceGetHandleByIndex[_v2]; the
  * controller sweeps exited processes. */
-BPF_HASH(nvml_dev, struct hami_ckey, __s32, 16384);
+HAMI_KEPT_HASH(nvml_dev, struct hami_ckey, __s32, 16384);
 
 /* cur_ctx: key __u32 tid -> hami_tctx: the thread's context stack, as
  * devices. Written by cuCtxSetCurrent/Push/Pop/Create, deleted at thread exit. */
-BPF_HASH(cur_ctx, __u32, struct hami_tctx, 16384);
+HAMI_KEPT_HASH(cur_ctx, __u32, struct hami_tctx, 16384);
 
 /* launches: key __u32 tgid -> __u64 kernel launches. Incremented by the launch
  * probes (attached only on demand), deleted at the leader's exit. */

@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from hami_bpf.config import (DEFAULT_SM_TURN_MS, DEFAULT_SOCKET, DEFAULT_STATE_DIR, OOM_ACTIONS,
+from hami_bpf.config import (DEFAULT_PIN_DIR, DEFAULT_SM_TURN_MS, DEFAULT_SOCKET, DEFAULT_STATE_DIR, OOM_ACTIONS,
                              DaemonConfig, parse_group_by, parse_host_port)
 
 from .common import CliError
@@ -84,6 +84,15 @@ class UnixGroupType(click.ParamType):
               help="Use the simulated driver [default: only when no libcuda is found].")
 @click.option("--state-dir", default=DEFAULT_STATE_DIR, show_default=True, metavar="DIR",
               type=click.Path(file_okay=False), help="Where runtime state lives.")
+@click.option("--bpf-pin-dir", "pin_dir", default=DEFAULT_PIN_DIR, show_default=True,
+              metavar="DIR", type=click.Path(file_okay=False),
+              help="bpffs directory where the kernel-side accounting (usage, allocations, "
+                   "limits, group membership) is kept, so that a restarted or upgraded daemon "
+                   "adopts it with the processes that hold it.")
+@click.option("--no-keep-state", "keep_state", is_flag=True, flag_value=False, default=True,
+              help="Keep the accounting in this process only: a restart starts from zero.")
+@click.option("--fresh", is_flag=True,
+              help="Discard the kept accounting (of any daemon version) instead of adopting it.")
 @click.option("--context-bytes", type=SizeType(), default=None, metavar="SIZE",
               help="Device memory each process's CUDA context holds, charged against its "
                    "group's limit per device it uses [default: 528Mi on a GPU (measured on "
@@ -117,8 +126,8 @@ class UnixGroupType(click.ParamType):
                    "monitor (HAMi's is /usr/local/vgpu/containers) [default: off].")
 @click.option("-v", "--verbose", is_flag=True, help="Log debug details.")
 def run(libcuda, group_by, socket_path, count_launches, policy, env_limits, oom_action,
-        metrics_addr, socket_group, demo, state_dir, context_bytes, sm_limits, sm_lend_idle,
-        sm_turns, sm_turn_ms, sm_learn_alone, hami_regions, verbose):
+        metrics_addr, socket_group, demo, state_dir, pin_dir, keep_state, fresh, context_bytes,
+        sm_limits, sm_lend_idle, sm_turns, sm_turn_ms, sm_learn_alone, hami_regions, verbose):
     """Start the daemon: attach probes, keep the slot table, serve the socket."""
     if os.geteuid() != 0:
         raise CliError("run needs root (CAP_BPF, CAP_PERFMON)")
@@ -129,7 +138,8 @@ def run(libcuda, group_by, socket_path, count_launches, policy, env_limits, oom_
                        verbose=verbose, context_bytes=context_bytes, sm_limits=sm_limits,
                        sm_lend_idle=sm_lend_idle, sm_turns=sm_turns,
                        sm_turn_ms=sm_turn_ms, sm_learn_alone=sm_learn_alone,
-                       hami_regions=hami_regions)
+                       hami_regions=hami_regions, pin_dir=pin_dir if keep_state else None,
+                       fresh=fresh)
     # Imported here: the daemon pulls in bcc, which the other commands must not need.
     from hami_bpf import daemon
     try:

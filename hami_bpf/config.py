@@ -14,6 +14,7 @@ from .throttle import TURN_PERIOD_S
 
 DEFAULT_SOCKET = "/run/hami-bpf/hami-bpf.sock"
 DEFAULT_STATE_DIR = "/run/hami-bpf"
+DEFAULT_PIN_DIR = "/sys/fs/bpf/hami-bpf"
 DEFAULT_SM_TURN_MS = round(TURN_PERIOD_S * 1000)
 
 GROUP_BY_FIXED = ("cgroup", "pid")
@@ -98,6 +99,8 @@ class DaemonConfig:
     sm_turns: bool = True                # groups capped on one device take turns (throttle.turns)
     sm_turn_ms: int = DEFAULT_SM_TURN_MS  # the turns' period
     sm_learn_alone: bool = True          # a group learns its rate with its device's capped groups held
+    pin_dir: str | None = DEFAULT_PIN_DIR  # bpffs directory the accounting maps are kept in; None = not kept
+    fresh: bool = False                  # discard kept state instead of adopting it
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "libcuda", tuple(self.libcuda))

@@ -21,11 +21,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import abi, containers, enforce
+from . import abi, containers, enforce, kept
 from .ptrace import PtraceError, read_mem, write_mem
 from .actions import ClearSlot, Compacted, CreateGroup, DeleteGroup, ReleaseProcess, WriteSlot
 from .config import DaemonConfig, unsafe_chain
 from .events import (GroupLimitSet, LaunchesCounted, MemoryAllocated, MemoryFreed, ProcessExited,
+                     UsageObserved,
                      ProcessRegistered, ProcKey)
 from .limits import (HAMI_DEFAULT_PRIORITY, EnvLimits, PolicyError, clipped, effective_limits,
                      effective_sched, load_policy, parse_env_limits, physical_to_visible,
@@ -53,6 +54,8 @@ THROTTLED_SHOWN_S = 1.0   # a group held back within this long shows as throttle
 GRAPH_COST = 4096          # cost units per cuGraphLaunch (feedback corrects it where NVML is)
 HEARTBEAT_STALE_NS = 2_000_000_000
 REAP_EVERY_S = 1.0
+RECONCILE_EVERY_S = 1.0    # the table's usage checked against the kernel's counters
+MAX_PROCS = 4096           # procs map size (maps.h), part of the kept layout
 SWEEP_EVERY_S = 10.0
 # Finding libcuda files that containers bring (/proc/PID/maps of processes not
 # yet known) runs with the reaper, spaced out so it takes at most this share of
@@ -469,6 +472,8 @@ class Daemon:
         self._reload_result = None        # (Policy, None) or (None, DaemonError) from it
         self._reload_again = False        # SIGHUP while it read: read once more
         self._snap = Snapshot.empty()
+        self._adopting = False
+        self._mismatch: dict[int, dict[int, int]] = {}   # pid -> kernel usage that disagreed
         self._dirty = True
         self.probes = None
         self.server = None
@@ -616,8 +621,10 @@ class Daemon:
             self.record("recover", f"pid {pid} left stopped by a previous run: {what}", pid=pid)
         self.stopped = enforce.StoppedSet(cfg.state_dir)
         self.stopped.on_error = self._state_write_failed
+        pin = self._prepare_kept_state()
         try:
-            self.probes = probes.Probes(reg_write=reg_write, probe_write_user=pwu)
+            self.probes = probes.Probes(reg_write=reg_write, probe_write_user=pwu,
+                                        max_procs=MAX_PROCS, pin_dir=pin)
         except probes.ProbeError as e:
             raise DaemonError(str(e)) from None
         flags = abi.CFG_ENFORCE_MEM
@@ -634,6 +641,8 @@ class Daemon:
         self.probes.set_graph_cost(GRAPH_COST)
         self.probes.heartbeat()
         self.probes.open_events(self._on_event)
+        if self._adopting:
+            self._adopt()     # before our probes attach: nothing changes the maps meanwhile
         self.entry_ok: dict[str, dict[str, tuple[bool, str]]] = {}
         for lib in self.libs:
             syms = libcuda.cuda_symbols(lib)
@@ -706,6 +715,113 @@ class Daemon:
         self.record("error", f"state directory: {what}; stopped processes are recorded in "
                     "memory only until writing works again (limits still apply)",
                     path=self.cfg.state_dir, errno=err, state_write_failed=True)
+
+    def _prepare_kept_state(self) -> str | None:
+        """Where the kept maps are pinned (None: in this process only), once the
+        previous daemon's probes are gone. Sets _adopting when there is state
+        to take over."""
+        from . import probes
+        cfg = self.cfg
+        self._adopting = False
+        if not cfg.pin_dir:
+            self.mechanisms["state"] = "in this process only (--no-keep-state)"
+            return None
+        left = kept.wait_for_predecessor(cfg.state_dir,
+                                         said=lambda m: self.record("state", m))
+        if left:
+            raise DaemonError(f"the previous daemon (pid {', '.join(map(str, left))}) still has its "
+                              f"probes attached after {kept.PREDECESSOR_WAIT_S:.0f} s: adopting its "
+                              "maps beside them would count every call twice")
+        try:
+            kept.write_owner(cfg.state_dir)
+        except OSError as e:
+            self._state_write_failed(f"recording this daemon in {cfg.state_dir}: {e.strerror}",
+                                     e.errno)
+        fp = probes.layout_fingerprint(MAX_PROCS)
+        try:
+            path, self._adopting = probes.prepare_pin_dir(cfg.pin_dir, fp, cfg.fresh)
+        except probes.PinRefused as e:
+            raise DaemonError(str(e)) from None
+        except probes.ProbeError as e:
+            self.mechanisms["state"] = f"in this process only ({e})"
+            self.record("fallback", f"keeping the accounting across restarts: {e}; a restart "
+                        "will start from zero", pin_dir=cfg.pin_dir)
+            return None
+        self.mechanisms["state"] = f"kept in {path}"
+        if cfg.fresh:
+            self.record("state", f"--fresh: kept state under {cfg.pin_dir} discarded",
+                        pin_dir=cfg.pin_dir)
+        return path
+
+    def _adopt(self) -> None:
+        """Take over the maps a previous daemon kept: what exited while no
+        daemon ran goes back to its group, reservations of calls whose return
+        no probe saw are given back, and every living process is registered
+        in the group index its bytes are charged to (kept.plan)."""
+        st = self.probes.kept_state()
+        a = kept.plan(st["procs"], st["assigned"], st["pmem"], st["calls"], st["group_keys"],
+                      kept.start_ns)
+        for p in a.dead:
+            self.probes.forget_process(p.pid, p.charged, p.used)
+        for r in a.reservations:
+            self.probes.give_back(r.tid, r.group, r.device, r.size)
+        for tid in a.stale_calls:
+            self.probes.give_back(tid, None, 0, 0)
+        threads = self.probes.forget_threads(lambda tid: os.path.exists(f"/proc/{tid}"))
+        # A group index is never reused: entries of one no process is in any
+        # more are deleted below, but not before a new group could take it.
+        self.table = SlotTable(first_group_index=max(a.indices, default=0) + 1)
+        moved = 0
+        for p in a.live:
+            old = p.charged if p.charged is not None else p.assigned
+            self._register(p.pid, time.monotonic_ns(), existing=True, index=old)
+            view = self.table.process(p.pid)
+            if view is None:        # gone meanwhile: as if it exited unseen
+                self.probes.forget_process(p.pid, p.charged, p.used)
+                continue
+            if p.charged is not None and p.charged != view.group_index:
+                self.probes.move_charge(p.pid, p.charged, view.group_index, p.used)
+                moved += 1
+            if p.used:
+                self.table.apply(UsageObserved(p.pid, p.used, view.key.start_time))
+        for idx in a.indices - {g.index for g in self.table.groups()}:
+            self.probes.delete_group(idx)
+        self.counters["adopted_processes"] += len(a.live)
+        self.counters["adopted_exited"] += len(a.dead)
+        self.record("adopt", f"adopted {len(a.live)} processes holding {a.bytes_adopted} bytes "
+                    f"from the kept maps; {len(a.dead)} exited meanwhile ({a.bytes_released} "
+                    f"bytes back to their groups), {len(a.reservations)} reservations given back, "
+                    f"{moved} moved to another group", adopted=len(a.live),
+                    adopted_bytes=a.bytes_adopted, exited=len(a.dead),
+                    released_bytes=a.bytes_released, reservations=len(a.reservations),
+                    moved=moved, threads_forgotten=threads)
+
+    def _reconcile(self) -> None:
+        """The kernel's per-process counters (pmem) are authoritative: the
+        table's sum of allocation events is corrected where it disagrees with
+        them twice in a row with the same value (one disagreement may be an
+        event still on its way; a lost one stays)."""
+        kernel: dict[int, dict[int, int]] = {}
+        for (pid, dev), b in self.probes.process_mem().items():
+            if b:
+                kernel.setdefault(pid, {})[dev] = b
+        now: dict[int, dict[int, int]] = {}
+        for p in self.table.processes():
+            k = kernel.get(p.key.pid, {})
+            if k == dict(p.used):
+                continue
+            if self._mismatch.get(p.key.pid) != k:
+                now[p.key.pid] = k
+                continue
+            self.table.apply(UsageObserved(p.key.pid, k, p.key.start_time))
+            self.counters["usage_corrections"] += 1
+            self._dirty = True
+            self.record("reconcile", f"pid {p.key.pid}: usage {dict(p.used)} corrected to {k} "
+                        "from the kernel's counters (an allocation or free event was lost)",
+                        pid=p.key.pid, group=p.group,
+                        before={str(d): b for d, b in p.used.items()},
+                        after={str(d): b for d, b in k.items()})
+        self._mismatch = now
 
     def _lock_libs(self) -> None:
         """One controller per library: two would both stop, rewrite and resume
@@ -942,7 +1058,7 @@ class Daemon:
     # -- the loop ------------------------------------------------------------
 
     def loop(self) -> None:
-        last_reap = last_sweep = time.monotonic()
+        last_reap = last_sweep = last_reconcile = time.monotonic()
         while not self._stopping:
             self.probes.heartbeat()
             # While a group is held, tick fast: the hold should end as soon as
@@ -957,6 +1073,9 @@ class Daemon:
             if now - last_reap >= REAP_EVERY_S:
                 self._reap()
                 last_reap = now
+            if now - last_reconcile >= RECONCILE_EVERY_S:
+                self._reconcile()
+                last_reconcile = now
             if now - last_sweep >= SWEEP_EVERY_S:
                 live = {p.key.pid for p in self.table.processes()} | self.probes.bpf_procs()
                 self.probes.sweep(live)
@@ -1113,6 +1232,11 @@ class Daemon:
             self.metrics.close()
         if self.probes:
             self.probes.close()
+            if self.cfg.pin_dir and self.stopped is not None:
+                try:   # the next daemon waits for the child that closes our probes
+                    kept.write_owner(self.cfg.state_dir, closer=self.probes.closer_pid)
+                except OSError as e:
+                    log.warning("recording the probes' closer in %s: %s", self.cfg.state_dir, e)
         for fd, _path in self.lib_fds.values():   # after the probes: they detach through them
             os.close(fd)
         self.lib_fds.clear()
@@ -1225,7 +1349,8 @@ class Daemon:
             c.env = None
         return c
 
-    def _register(self, pid: int, ts_ns: int, comm: str = "", existing: bool = False) -> None:
+    def _register(self, pid: int, ts_ns: int, comm: str = "", existing: bool = False,
+                  index: int | None = None) -> None:
         if pid == os.getpid():
             return    # the daemon maps libcuda to measure its probes; it is not a workload
         st = enforce.proc_start_time(pid)
@@ -1238,7 +1363,8 @@ class Daemon:
         group = c.group
         key = ProcKey(pid, st if st is not None else 0)
         self.info[pid] = ProcInfo(c.env, c.phys, c.ns_pid, labels=c.labels, cvd=c.cvd)
-        actions = self.table.apply(ProcessRegistered(key, group, comm or proc_comm(pid), ts_ns))
+        actions = self.table.apply(ProcessRegistered(key, group, comm or proc_comm(pid), ts_ns,
+                                                     index=index))
         self._act(actions, new_pid=pid if not existing else None, existing=existing)
         view = self.table.process(pid)
         if view is None:
@@ -1941,8 +2067,10 @@ class Daemon:
             if limit is None:
                 enforce.resume(pid)
                 return
-            g = self.table.group(view.group)
-            used = (g.used.get(e.device, 0) if g else 0) + self._context_reserve(view.group, e.device)
+            # The kernel's charge, not the table's sum: exact even when an
+            # event was lost.
+            used = (self.probes.group_used(view.group_index, e.device)
+                    + self._context_reserve(view.group, e.device))
             if e.kind == abi.EV_MEMINFO:
                 # Never report more free than the device really has.
                 real_free = int.from_bytes(read_mem(pid, e.ptr, 8), "little")

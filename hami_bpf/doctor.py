@@ -62,6 +62,18 @@ def check_tracefs() -> dict[str, Any]:
                   "`mount -t tracefs nodev /sys/kernel/tracing` (make install does it)")
 
 
+def check_bpffs() -> dict[str, Any]:
+    """Where the daemon keeps its accounting across restarts (--bpf-pin-dir)."""
+    from hami_bpf.config import DEFAULT_PIN_DIR
+    points = [mp for mp, fs in _mounts() if fs == "bpf"]
+    if "/sys/fs/bpf" in points:
+        kept = os.path.isdir(DEFAULT_PIN_DIR) and sorted(os.listdir(DEFAULT_PIN_DIR))
+        return _check(True, "/sys/fs/bpf", "bpffs mounted: accounting kept across restarts in "
+                      f"{DEFAULT_PIN_DIR}" + (f" (holds {', '.join(kept)})" if kept else ""))
+    return _check(True, None, "bpffs not mounted at /sys/fs/bpf: the daemon mounts it at "
+                  "start-up; where it cannot, a restart starts the accounting from zero")
+
+
 def check_lockdown() -> dict[str, Any]:
     p = Path("/sys/kernel/security/lockdown")
     try:
@@ -163,6 +175,7 @@ CHECKS: dict[str, Callable[[], dict[str, Any]]] = {
     "btf": check_btf,
     "uprobes": check_uprobes,
     "tracefs": check_tracefs,
+    "bpffs": check_bpffs,
     "lockdown": check_lockdown,
     "kernel_headers": check_kernel_headers,
     "bcc": check_bcc,

@@ -5,6 +5,7 @@ registration is keyed by pid; the slot table resolves pid -> live ProcKey.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 __all__ = [
@@ -12,6 +13,7 @@ __all__ = [
     "ProcessRegistered",
     "MemoryAllocated",
     "MemoryFreed",
+    "UsageObserved",
     "LaunchesCounted",
     "ProcessExited",
     "GroupLimitSet",
@@ -34,6 +36,10 @@ class ProcessRegistered:
     group: str
     comm: str = ""
     ts_ns: int = 0
+    # The group's index in the BPF maps when the group is new here but not to
+    # them (a restarted daemon adopting its predecessor's maps); ignored when
+    # the group exists or the index is taken.
+    index: int | None = None
 
 
 @dataclass(frozen=True)
@@ -68,6 +74,17 @@ class ProcessExited:
 
 
 @dataclass(frozen=True)
+class UsageObserved:
+    """What the BPF side holds for a process (pmem): device -> bytes, every
+    device it holds anything on. The kernel's counters are authoritative; the
+    table takes them where its own sum of allocation events disagrees (an
+    event lost to a full ring buffer, or a predecessor's allocations)."""
+    pid: int
+    used: Mapping[int, int]
+    start_time: int | None = None  # None: whichever live process holds pid
+
+
+@dataclass(frozen=True)
 class GroupLimitSet:
     group: str
     device: int
@@ -78,6 +95,7 @@ Event = (
     ProcessRegistered
     | MemoryAllocated
     | MemoryFreed
+    | UsageObserved
     | LaunchesCounted
     | ProcessExited
     | GroupLimitSet

@@ -10,12 +10,13 @@ import ctypes as ct
 import logging
 import os
 import queue
+import stat
 import threading
 import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Mapping
 
 from . import abi
 
@@ -60,6 +61,10 @@ NVML_PROBES: dict[str, tuple[str, str | None]] = {
 # At shutdown, how long detaches queued before (a container's library) are
 # waited for; the rest are closed in the background (Probes.close).
 CLOSE_WAIT_S = 5.0
+BPFFS = "/sys/fs/bpf"
+DEFAULT_PIN_DIR = f"{BPFFS}/hami-bpf"
+MAX_ALLOCS = 262144    # maps.h's defaults, part of the kept layout
+MAX_GROUPS = 4096
 
 ALLOC_SYMBOLS = tuple(s for s, (p, _) in CORE_PROBES.items()
                       if p in ("uprobe__cuMemAlloc_v2", "uprobe__cuMemAllocPitch_v2", "uprobe__cuMemCreate"))
@@ -112,6 +117,110 @@ def ensure_tracefs() -> None:
     except (OSError, subprocess.CalledProcessError) as e:
         err = getattr(e, "stderr", "") or str(e)
         raise ProbeError(f"mounting tracefs at /sys/kernel/tracing: {err.strip()}") from e
+
+
+def ensure_bpffs(root: str = BPFFS) -> None:
+    """bpffs at ``root`` (where pinned maps live); mounted if absent."""
+    if _is_bpffs(root):
+        return
+    try:
+        os.makedirs(root, exist_ok=True)
+        subprocess.run(["mount", "-t", "bpf", "bpf", root], check=True, capture_output=True,
+                       text=True)
+    except (OSError, subprocess.CalledProcessError) as e:
+        err = getattr(e, "stderr", "") or str(e)
+        raise ProbeError(f"mounting bpffs at {root}: {err.strip()}") from e
+
+
+def _is_bpffs(path: str) -> bool:
+    """Whether ``path`` is on a bpf filesystem (/proc/self/mounts)."""
+    best, fstype = "", ""
+    real = os.path.realpath(path)
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 3:
+                    continue
+                mnt = parts[1].replace("\\040", " ")
+                if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                    best, fstype = mnt, parts[2]
+    except OSError:
+        return False
+    return fstype == "bpf"
+
+
+# The maps hami.bpf.c keeps across restarts (HAMI_KEPT_HASH in maps.h), with
+# the structures of their keys and values: what the layout's fingerprint covers.
+KEPT_MAPS = {
+    "procs": ("u32", "Proc"), "proc_cfg": ("u32", "ProcCfg"), "pmem": ("PKey", "u64"),
+    "grp_mem": ("GKey", "GMem"), "grp_lim": ("GKey", "GLim"), "allocs": ("AKey", "Alloc"),
+    "inflight": ("u32", "Call"), "ctx_dev": ("CKey", "s32"), "nvml_dev": ("CKey", "s32"),
+    "cur_ctx": ("u32", "TCtx"),
+}
+
+
+def layout_fingerprint(max_procs: int) -> str:
+    """A name for the kept maps' layout: ABI version, sizes and every field's
+    name, offset and size. A daemon adopts pinned maps only under its own
+    fingerprint, so a layout change is never read through the wrong struct."""
+    import hashlib
+
+    def describe(t: str) -> str:
+        if not hasattr(abi, t):
+            return t
+        cls = getattr(abi, t)
+        return t + "{" + ",".join(f"{n}@{getattr(cls, n).offset}:{getattr(cls, n).size}"
+                                  for n, *_ in cls._fields_) + f"}}{ct.sizeof(cls)}"
+    text = ";".join(f"{m}:{describe(k)}->{describe(v)}" for m, (k, v) in sorted(KEPT_MAPS.items()))
+    text += f";procs={max_procs};allocs={MAX_ALLOCS};groups={MAX_GROUPS}"
+    digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+    return f"abi{abi.ABI_VERSION}-{digest}"
+
+
+class PinRefused(ProbeError):
+    """Kept state this daemon must not use: another layout's, or a directory
+    others could write."""
+
+
+def prepare_pin_dir(pin_dir: str, fingerprint: str, fresh: bool) -> tuple[str, bool]:
+    """The directory this daemon pins its kept maps in (``pin_dir``/``fingerprint``)
+    and whether it holds a predecessor's maps to adopt. State of another layout
+    is refused (adopting it would read every entry through the wrong struct)
+    unless ``fresh`` discards it; ``fresh`` discards ours too."""
+    import shutil
+    if any(c in pin_dir for c in "\"\\ \n") or not os.path.isabs(pin_dir):
+        raise PinRefused(f"--bpf-pin-dir {pin_dir!r}: an absolute path without quotes, "
+                         "backslashes or spaces")
+    parent = os.path.dirname(pin_dir.rstrip("/")) or "/"
+    if not _is_bpffs(parent) and not _is_bpffs(pin_dir):
+        if os.path.realpath(parent).startswith(BPFFS):
+            ensure_bpffs(BPFFS)
+        else:
+            raise ProbeError(f"--bpf-pin-dir {pin_dir}: not on a bpf filesystem")
+    try:
+        os.makedirs(pin_dir, mode=0o700, exist_ok=True)
+        st = os.lstat(pin_dir)
+    except OSError as e:
+        raise ProbeError(f"creating the pin directory {pin_dir}: {e.strerror}") from e
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != 0 or st.st_mode & 0o022:
+        raise PinRefused(f"pin directory {pin_dir}: not a directory owned by root and closed "
+                         "to others: refused")
+    here = os.path.join(pin_dir, fingerprint)
+    others = sorted(d for d in os.listdir(pin_dir) if d != fingerprint)
+    if fresh:
+        for d in others + [fingerprint]:
+            shutil.rmtree(os.path.join(pin_dir, d), ignore_errors=True)
+        others = []
+    if others:
+        raise PinRefused(
+            f"{pin_dir} holds the state of another daemon version (layout {', '.join(others)}; "
+            f"this one is {fingerprint}): refusing to adopt it. Run the version that wrote it, "
+            "or start this one with --fresh, which discards the accounting of running "
+            "processes")
+    adopted = os.path.isdir(here) and bool(os.listdir(here))
+    os.makedirs(here, mode=0o700, exist_ok=True)
+    return here, adopted
 
 
 def _bcc():
@@ -220,12 +329,17 @@ class Probes:
     """hami.bpf.c loaded once; attached to one or more libcuda files."""
 
     def __init__(self, *, reg_write: bool = False, probe_write_user: bool = False,
-                 max_procs: int = 4096, ringbuf_pages: int = 256):
+                 max_procs: int = 4096, ringbuf_pages: int = 256, pin_dir: str | None = None):
+        """``pin_dir``: where the kept maps are pinned (prepare_pin_dir's
+        result); None keeps them in this process only."""
         BPF = _bcc()
         ensure_tracefs()
         d = abi.bpf_dir()
         cflags = [f"-I{d}", f"-DHAMI_MAX_PROCS={max_procs}", f"-DHAMI_RINGBUF_PAGES={ringbuf_pages}",
                   "-Wno-macro-redefined"]
+        if pin_dir is not None:
+            cflags.append(f'-DHAMI_PIN_DIR="{pin_dir}"')
+        self.pin_dir = pin_dir
         if reg_write:
             cflags.append("-DHAMI_HAVE_REG_WRITE=1")
         if probe_write_user:
@@ -579,6 +693,93 @@ class Probes:
                 except KeyError:
                     pass
 
+    # the kept maps, for a daemon adopting them (hami_bpf.kept)
+
+    def kept_state(self) -> dict:
+        """What the kept maps hold, as plain values (kept.plan's arguments)."""
+        procs = {k.value: (int(v.charged), int(v.image)) for k, v in self.map["procs"].items()}
+        assigned = {k.value: int(v.group) for k, v in self.map["proc_cfg"].items()}
+        pmem = {(k.tgid, k.device): int(v.value) for k, v in self.map["pmem"].items()}
+        calls = {k.value: (int(v.group), int(v.device), int(v.size),
+                           bool(v.flags & abi.F_RESERVED))
+                 for k, v in self.map["inflight"].items()}
+        groups = {k.group for name in ("grp_mem", "grp_lim") for k in self.map[name].keys()}
+        return {"procs": procs, "assigned": assigned, "pmem": pmem, "calls": calls,
+                "group_keys": groups}
+
+    def _add_group_mem(self, group_index: int, device: int, delta: int) -> None:
+        """grp_mem[group, device].used += delta, from user space. Only while no
+        program can change it (before our probes attach): not atomic with them."""
+        t = self.map["grp_mem"]
+        k = abi.GKey(group=group_index, device=device)
+        try:
+            v = t[k]
+        except KeyError:
+            v = abi.GMem(used=0, denied=0)
+        v.used = max(0, int(v.used) + delta)
+        t[k] = v
+
+    def forget_process(self, pid: int, charged: int | None, used: Mapping[int, int]) -> None:
+        """A process that exited while no daemon ran: what the exit program
+        would have done (its bytes back from its group, its entries gone)."""
+        if charged is not None:
+            for dev, b in used.items():
+                self._add_group_mem(charged, dev, -b)
+        for name, key in (("procs", ct.c_uint32(pid)), ("proc_cfg", ct.c_uint32(pid)),
+                          ("launches", ct.c_uint32(pid))):
+            try:
+                del self.map[name][key]
+            except KeyError:
+                pass
+        t = self.map["pmem"]
+        for k in [k for k in t.keys() if k.tgid == pid]:
+            try:
+                del t[k]
+            except KeyError:
+                pass
+
+    def give_back(self, tid: int, group_index: int | None, device: int, size: int) -> None:
+        """An in-flight entry no return probe will see: its reservation back."""
+        if group_index is not None and size:
+            self._add_group_mem(group_index, device, -size)
+        try:
+            del self.map["inflight"][ct.c_uint32(tid)]
+        except KeyError:
+            pass
+
+    def move_charge(self, pid: int, old: int, new: int, used: Mapping[int, int]) -> None:
+        """A process's bytes from group index ``old`` to ``new`` (its group
+        has another index for this daemon)."""
+        for dev, b in used.items():
+            self._add_group_mem(old, dev, -b)
+            self._add_group_mem(new, dev, b)
+        t = self.map["procs"]
+        try:
+            v = t[ct.c_uint32(pid)]
+            v.charged = new
+            t[ct.c_uint32(pid)] = v
+        except KeyError:
+            pass
+
+    def forget_threads(self, alive: Callable[[int], bool]) -> int:
+        """Context stacks of threads that exited while no daemon ran."""
+        t = self.map["cur_ctx"]
+        n = 0
+        for k in [k for k in t.keys() if not alive(k.value)]:
+            try:
+                del t[k]
+                n += 1
+            except KeyError:
+                pass
+        return n
+
+    def group_used(self, group_index: int, device: int) -> int:
+        """Bytes charged to a group on a device, as admission sees them."""
+        try:
+            return int(self.map["grp_mem"][abi.GKey(group=group_index, device=device)].used)
+        except KeyError:
+            return 0
+
     def group_mem(self) -> dict[tuple[int, int], tuple[int, int]]:
         """(group index, device) -> (used, denied) as the BPF side counts them."""
         return {(k.group, k.device): (v.used, v.denied) for k, v in self.map["grp_mem"].items()}
@@ -670,7 +871,7 @@ class Probes:
             for ev, _fd in fds:
                 self.bpf._del_uprobe_fd(ev)
         perf = _perf_fds()
-        self._close_in_background(perf)
+        self.closer_pid = self._close_in_background(perf)
         for _ev, fd in fds:
             try:
                 os.close(fd)      # a copy now: the child holds the last one
@@ -680,7 +881,7 @@ class Probes:
             self.bpf.cleanup()   # the tracepoints' copies, programs, maps
 
     @staticmethod
-    def _close_in_background(perf: set[int]) -> None:
+    def _close_in_background(perf: set[int]) -> int | None:
         """Leave the last reference to each probe (``perf``: this process's
         perf event descriptors) to a child process, so that closing our own
         copies costs nothing. Unregistering a probe waits for the kernel's
@@ -692,7 +893,7 @@ class Probes:
         scanning for them; the exec or its exit closes the probes.
         Meanwhile they only count (see close)."""
         if not perf:
-            return
+            return None
         others = []
         for name in os.listdir("/proc/self/fd"):
             if name.isdigit() and int(name) not in perf:
@@ -701,9 +902,9 @@ class Probes:
             pid = os.fork()
         except OSError as e:
             log.warning("detaching probes in the background: %s; detaching here", e)
-            return
+            return None
         if pid:
-            return
+            return pid
         try:     # the child: system calls only
             for fd in others:
                 try:

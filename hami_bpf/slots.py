@@ -35,6 +35,7 @@ from .events import (
     ProcessExited,
     ProcessRegistered,
     ProcKey,
+    UsageObserved,
 )
 
 __all__ = ["SlotTable", "ProcView", "GroupView", "STAT_NAMES"]
@@ -61,6 +62,8 @@ STAT_NAMES: tuple[str, ...] = (
     "invalid_event",       # negative size etc.
     "unknown_event",
     "limits_set",
+    "usage_corrected",     # a process's usage taken from the kernel's counters (UsageObserved)
+    "index_adopted",       # a new group took the index the BPF maps already use for it
 )
 
 _EMPTY: Mapping[int, Any] = MappingProxyType({})
@@ -96,7 +99,8 @@ class _Proc:
     """Mutable, table-private record. Holds its own slot so there is exactly one
     place the slot number lives besides the group's list position."""
 
-    __slots__ = ("key", "comm", "group", "slot", "used", "ptrs", "launches", "ts_ns")
+    __slots__ = ("key", "comm", "group", "slot", "used", "ptrs", "unattributed", "launches",
+                 "ts_ns")
 
     def __init__(self, key: ProcKey, comm: str, group: _Group, slot: int, ts_ns: int):
         self.key = key
@@ -105,6 +109,9 @@ class _Proc:
         self.slot = slot
         self.used: dict[int, int] = {}
         self.ptrs: dict[int, tuple[int, int]] = {}  # ptr -> (device, size)
+        # device -> bytes the kernel's counters hold that no known ptr explains
+        # (UsageObserved): used == sum of ptrs + unattributed, per device.
+        self.unattributed: dict[int, int] = {}
         self.launches: int | None = None
         self.ts_ns = ts_ns
 
@@ -151,6 +158,7 @@ class SlotTable:
             ProcessRegistered: self._register,
             MemoryAllocated: self._alloc,
             MemoryFreed: self._free,
+            UsageObserved: self._observed,
             LaunchesCounted: self._launches,
             ProcessExited: self._exit,
             GroupLimitSet: self._limit,
@@ -186,10 +194,17 @@ class SlotTable:
             self._stats["group_full"] += 1
             return actions
         if group is None:
-            if self._next_index > U32_MAX:
+            index = self._next_index
+            if (ev.index is not None and 0 < ev.index <= U32_MAX
+                    and ev.index not in self._indices()):
+                index = ev.index
+                self._stats["index_adopted"] += 1
+            elif self._next_index > U32_MAX:
                 raise OverflowError("group index space (u32) exhausted")
-            group = _Group(ev.group, self._next_index)
-            self._next_index += 1
+            group = _Group(ev.group, index)
+            # Indices are never reused: a BPF entry of a deleted group must
+            # never be read as a new group's.
+            self._next_index = max(self._next_index, index + 1)
             self._groups[ev.group] = group
             self._stats["groups_created"] += 1
             actions.append(CreateGroup(group.name, group.index))
@@ -274,6 +289,36 @@ class SlotTable:
         self._charge(proc, rec[0], -rec[1])
         self._stats["frees"] += 1
         return []
+
+    def _observed(self, ev: UsageObserved) -> list[Action]:
+        proc = self._by_pid.get(ev.pid)
+        if proc is None or (ev.start_time is not None and ev.start_time != proc.key.start_time):
+            self._stats["unknown_pid"] += 1
+            return []
+        if any(d < 0 or b < 0 for d, b in ev.used.items()):
+            self._stats["invalid_event"] += 1
+            return []
+        want = {d: b for d, b in ev.used.items() if b}
+        if want == proc.used:
+            return []
+        changed = {d for d in set(want) | set(proc.used) if want.get(d, 0) != proc.used.get(d, 0)}
+        for device in changed:
+            self._charge(proc, device, want.get(device, 0) - proc.used.get(device, 0))
+        # Which pointers make up the difference is unknown: the ones on a
+        # device whose total changed go (a later free of one of them counts
+        # as unknown; the kernel's counters already have it right), and the
+        # device's bytes are unattributed.
+        proc.ptrs = {p: r for p, r in proc.ptrs.items() if r[0] not in changed}
+        for device in changed:
+            if want.get(device):
+                proc.unattributed[device] = want[device]
+            else:
+                proc.unattributed.pop(device, None)
+        self._stats["usage_corrected"] += 1
+        return []
+
+    def _indices(self) -> set[int]:
+        return {g.index for g in self._groups.values()}
 
     @staticmethod
     def _charge(proc: _Proc, device: int, delta: int) -> None:
@@ -386,11 +431,12 @@ class SlotTable:
                     raise AssertionError(f"{p.key} in {name!r} points at group {p.group.name!r}")
                 if self._by_pid.get(p.key.pid) is not p:
                     raise AssertionError(f"{p.key} in {name!r} slot {i} is not the live holder of its pid")
-                per_ptr: dict[int, int] = {}
+                per_ptr: dict[int, int] = dict(p.unattributed)
                 for device, size in p.ptrs.values():
                     _add(per_ptr, device, size)
                 if per_ptr != p.used:
-                    raise AssertionError(f"{p.key} usage {p.used} != sum of its live ptrs {per_ptr}")
+                    raise AssertionError(f"{p.key} usage {p.used} != sum of its live ptrs and "
+                                         f"unattributed bytes {per_ptr}")
                 for device, size in p.used.items():
                     if size < 0:
                         raise AssertionError(f"{p.key} has negative usage on device {device}")

@@ -124,3 +124,11 @@ def fakecuda(tmp_path_factory):
     from hami_bpf.fakecuda import build
 
     return build(tmp_path_factory.mktemp("fakecuda"))
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """Unpin what this run's test daemons kept (tests/bpf/helpers.py)."""
+    import sys
+    helpers = sys.modules.get("helpers")
+    if helpers is not None and hasattr(helpers, "remove_pin_dirs"):
+        helpers.remove_pin_dirs()

@@ -201,6 +201,30 @@ class DaemonError(RuntimeError):
     pass
 
 
+PIN_ROOT = "/sys/fs/bpf"
+_PIN_DIRS: set[str] = set()     # made by this test run: removed at its end (conftest)
+
+
+def pin_dir_for(workdir: str | os.PathLike) -> str:
+    """The --bpf-pin-dir of daemons working in ``workdir``."""
+    import hashlib
+    digest = hashlib.sha256(str(Path(workdir).resolve()).encode()).hexdigest()[:16]
+    path = f"{PIN_ROOT}/hami-t-{digest}"
+    _PIN_DIRS.add(path)
+    return path
+
+
+def remove_pin_dir(path: str) -> None:
+    """Unpin a test daemon's kept maps (the kernel frees them with their last user)."""
+    shutil.rmtree(path, ignore_errors=True)
+    _PIN_DIRS.discard(path)
+
+
+def remove_pin_dirs() -> None:
+    for path in list(_PIN_DIRS):
+        remove_pin_dir(path)
+
+
 class Daemon:
     """`hami-bpf run` as a foreground subprocess with a private socket and state dir.
 
@@ -220,8 +244,12 @@ class Daemon:
         self.socket = str(self.workdir / "s.sock")
         self.state_dir = str(self.workdir / "state")
         self.stderr_path = self.workdir / "daemon.stderr"
+        # Kept maps per working directory: a daemon started again on the same
+        # one adopts them, as on a node; other tests' daemons never see them.
+        self.pin_dir = pin_dir_for(self.workdir)
         self.argv = [command or hami_bpf_bin(), "run", "--libcuda", str(fake.libcuda),
                      "--socket", self.socket, "--state-dir", self.state_dir,
+                     "--bpf-pin-dir", self.pin_dir,
                      "--group-by", group_by, "--no-demo"]
         if count_launches:
             self.argv.append("--count-launches")
@@ -356,6 +384,7 @@ class Daemon:
     def cleanup(self) -> None:
         if self._own_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
+            remove_pin_dir(self.pin_dir)
 
     def __enter__(self) -> "Daemon":
         return self.start()

@@ -26,6 +26,7 @@ from hami_bpf.events import (
     ProcessExited,
     ProcessRegistered,
     ProcKey,
+    UsageObserved,
 )
 from hami_bpf.slots import SlotTable
 
@@ -60,12 +61,20 @@ class _Model:
         self.live: dict[int, tuple[ProcKey, str, dict[int, tuple[int, int]]]] = {}
         self.next_start: dict[int, int] = {}
         self.launches: dict[int, int] = {}
+        # pid -> device -> bytes the kernel's counters reported that no ptr explains
+        self.extra: dict[int, dict[int, int]] = {}
+
+    def usage(self, pid: int) -> dict[int, int]:
+        out = _sum(self.live[pid][2])
+        for device, size in self.extra.get(pid, {}).items():
+            out[device] = out.get(device, 0) + size
+        return {d: s for d, s in out.items() if s}
 
     def group_usage(self) -> dict[str, dict[int, int]]:
         out: dict[str, dict[int, int]] = {}
-        for key, group, allocs in self.live.values():
+        for pid, (key, group, allocs) in self.live.items():
             g = out.setdefault(group, {})
-            for device, size in _sum(allocs).items():
+            for device, size in self.usage(pid).items():
                 g[device] = g.get(device, 0) + size
         return out
 
@@ -108,8 +117,9 @@ class SlotMachine(RuleBasedStateMachine):
         before = self.t.group(old[1]).slots if old else ()
         actions = self.t.apply(ProcessRegistered(key, group, comm=f"p{pid}", ts_ns=self._ts()))
         if old is not None:
-            actions = self._check_exit_actions(actions, old[0], old[1], before, _sum(old[2]))
+            actions = self._check_exit_actions(actions, old[0], old[1], before, self.m.usage(pid))
             del self.m.live[pid]
+            self.m.extra.pop(pid, None)
             self.m.launches.pop(pid, None)
         expected_slot = len(self.t.group(group).slots) - 1
         self.m.live[pid] = (key, group, {})
@@ -157,6 +167,32 @@ class SlotMachine(RuleBasedStateMachine):
             if self.m.live[pid][2].pop(ptr, None) is None:
                 assert self.t.stats["unknown_ptr"] == unknown_ptr + 1
 
+    @rule(pid=PIDS, used=st.dictionaries(DEVICES, SIZES, max_size=3), same=st.booleans())
+    def kernel_counters(self, pid: int, used: dict[int, int], same: bool) -> None:
+        """The kernel's per-process counters (pmem) replace the table's sum."""
+        corrected = self.t.stats["usage_corrected"]
+        if pid in self.m.live and same:
+            used = self.m.usage(pid)
+        assert self.t.apply(UsageObserved(pid, used)) == []
+        if pid not in self.m.live:
+            return
+        want = {d: b for d, b in used.items() if b}
+        have = self.m.usage(pid)
+        if want == have:
+            assert self.t.stats["usage_corrected"] == corrected
+            return
+        assert self.t.stats["usage_corrected"] == corrected + 1
+        changed = {d for d in set(want) | set(have) if want.get(d, 0) != have.get(d, 0)}
+        allocs = self.m.live[pid][2]
+        for ptr in [p for p, (d, _) in allocs.items() if d in changed]:
+            del allocs[ptr]
+        extra = self.m.extra.setdefault(pid, {})
+        for d in changed:
+            if want.get(d):
+                extra[d] = want[d]
+            else:
+                extra.pop(d, None)
+
     @rule(pid=PIDS, count=st.integers(min_value=0, max_value=10**9))
     def launches(self, pid: int, count: int) -> None:
         self.t.apply(LaunchesCounted(pid, count))
@@ -174,8 +210,9 @@ class SlotMachine(RuleBasedStateMachine):
         key, group, allocs = self.m.live[pid]
         before = self.t.group(group).slots
         actions = self.t.apply(ProcessExited(pid, key.start_time if exact else None, ts_ns=ts))
-        assert self._check_exit_actions(actions, key, group, before, _sum(allocs)) == []
+        assert self._check_exit_actions(actions, key, group, before, self.m.usage(pid)) == []
         del self.m.live[pid]
+        self.m.extra.pop(pid, None)
         self.m.launches.pop(pid, None)
 
     @rule(pid=PIDS)
@@ -215,7 +252,7 @@ class SlotMachine(RuleBasedStateMachine):
         for pid, (key, group, allocs) in self.m.live.items():
             view = self.t.process(pid)
             assert view is not None and view.key == key and view.group == group
-            assert dict(view.used) == _sum(allocs)
+            assert dict(view.used) == self.m.usage(pid)
             assert view.launches == self.m.launches.get(pid)
             g, slot = self.t.resolve(pid)
             assert g == group and 0 <= slot < len(groups[g].slots)
@@ -445,3 +482,50 @@ def test_check_invariants_catches_stale_slot():
     t._by_pid[3].slot = 5  # noqa: SLF001 - deliberately corrupt
     with pytest.raises(AssertionError, match="slot"):
         t.check_invariants()
+
+
+def test_a_new_group_takes_the_index_the_maps_already_use():
+    """A restarted daemon adopts its predecessor's maps: a group keeps its index."""
+    t = SlotTable()
+    [create, _] = t.apply(ProcessRegistered(ProcKey(10, 1), "a", index=7))
+    assert create == CreateGroup("a", 7)
+    # the index is taken from then on, and indices are never reused
+    [create_b, _] = t.apply(ProcessRegistered(ProcKey(11, 1), "b", index=7))
+    assert create_b.index == 8
+    [create_c, _] = t.apply(ProcessRegistered(ProcKey(12, 1), "c"))
+    assert create_c.index == 9
+    # an existing group ignores the hint
+    assert t.apply(ProcessRegistered(ProcKey(13, 1), "a", index=3))[0] == WriteSlot("a", 7, 1, ProcKey(13, 1))
+    assert t.stats["index_adopted"] == 1
+    t.check_invariants()
+
+
+def test_kernel_counters_correct_a_lost_free_and_later_frees_stay_exact():
+    t = SlotTable()
+    _reg(t, 10, "a")
+    t.apply(MemoryAllocated(10, 0, 100, 0x1000))
+    t.apply(MemoryAllocated(10, 0, 50, 0x2000))
+    t.apply(MemoryAllocated(10, 1, 30, 0x3000))
+    # the free of 0x1000 was lost; the kernel's counters say 50 on device 0
+    t.apply(UsageObserved(10, {0: 50, 1: 30}))
+    assert dict(t.process(10).used) == {0: 50, 1: 30}
+    assert dict(t.group("a").used) == {0: 50, 1: 30}
+    assert t.stats["usage_corrected"] == 1
+    # device 1 agreed: its pointer is still known and frees exactly
+    t.apply(MemoryFreed(10, 0x3000))
+    assert dict(t.process(10).used) == {0: 50}
+    # device 0's bytes are unattributed: a free there is unknown until the counters say
+    t.apply(MemoryFreed(10, 0x2000))
+    assert t.stats["unknown_ptr"] == 1
+    t.apply(UsageObserved(10, {}))
+    assert dict(t.process(10).used) == {} and dict(t.group("a").used) == {}
+    t.check_invariants()
+
+
+def test_kernel_counters_for_another_start_time_are_ignored():
+    t = SlotTable()
+    _reg(t, 10, "a", start=5)
+    t.apply(UsageObserved(10, {0: 99}, start_time=4))
+    assert dict(t.process(10).used) == {}
+    t.apply(UsageObserved(10, {0: -1}))
+    assert t.stats["invalid_event"] == 1
