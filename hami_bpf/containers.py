@@ -1,14 +1,16 @@
 """Processes in containers, seen from the node: pods, namespaces, their libcuda.
 
-Everything here reads files only, through small functions that take a ``proc``
-root (default ``/proc``) or a ``host`` root (default ``/``), so tests run on
+Everything here reads files only (``/proc`` through :mod:`hami_bpf.procfs`),
+through small functions that take a ``proc`` root (default ``/proc``) or a ``host`` root (default ``/``), so tests run on
 fake trees.  No bcc, no Kubernetes API, no network.
 
 What a node agent can learn about a process without the API server
 ------------------------------------------------------------------
 * **Pod UID, QoS class, container ID, runtime** -- from the process's cgroup
-  path (``/proc/PID/cgroup``), which the kubelet and the runtime build from
-  fixed patterns: :func:`parse_cgroup_path`.
+  path (``/proc/PID/cgroup``; on v1 and hybrid hosts the hierarchy
+  :func:`hami_bpf.procfs.parse_cgroup` picks, the same path that names the
+  process's group), which the kubelet and the runtime build from fixed
+  patterns: :func:`parse_cgroup_path`.
 * **Namespace, pod name, container name** -- not in the cgroup path.  Sources,
   in the order :class:`PodNames` tries them (each is optional, each a
   read-only host path the DaemonSet mounts):
