@@ -1,8 +1,8 @@
 """Processes in containers, seen from the node: pods, namespaces, their libcuda.
 
 Everything here reads files only (``/proc`` through :mod:`hami_bpf.procfs`),
-through small functions that take a ``proc`` root (default ``/proc``) or a ``host`` root (default ``/``), so tests run on
-fake trees.  No bcc, no Kubernetes API, no network.
+through small functions that take a ``proc`` root (default ``/proc``) or a
+``host`` root (default ``/``), so tests run on fake trees.  No bcc, no Kubernetes API, no network.
 
 What a node agent can learn about a process without the API server
 ------------------------------------------------------------------
