@@ -1,14 +1,16 @@
 """Processes in containers, seen from the node: pods, namespaces, their libcuda.
 
-Everything here reads files only, through small functions that take a ``proc``
-root (default ``/proc``) or a ``host`` root (default ``/``), so tests run on
-fake trees.  No bcc, no Kubernetes API, no network.
+Everything here reads files only (``/proc`` through :mod:`hami_bpf.procfs`),
+through small functions that take a ``proc`` root (default ``/proc``) or a
+``host`` root (default ``/``), so tests run on fake trees.  No bcc, no Kubernetes API, no network.
 
 What a node agent can learn about a process without the API server
 ------------------------------------------------------------------
 * **Pod UID, QoS class, container ID, runtime** -- from the process's cgroup
-  path (``/proc/PID/cgroup``), which the kubelet and the runtime build from
-  fixed patterns: :func:`parse_cgroup_path`.
+  path (``/proc/PID/cgroup``; on v1 and hybrid hosts the hierarchy
+  :func:`hami_bpf.procfs.parse_cgroup` picks, the same path that names the
+  process's group), which the kubelet and the runtime build from fixed
+  patterns: :func:`parse_cgroup_path`.
 * **Namespace, pod name, container name** -- not in the cgroup path.  Sources,
   in the order :class:`PodNames` tries them (each is optional, each a
   read-only host path the DaemonSet mounts):
@@ -63,6 +65,8 @@ import os
 import re
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
+
+from . import procfs
 
 __all__ = [
     "LibRef",
@@ -229,24 +233,9 @@ def _container(rest: list[str], uid: str, qos: str | None, driver: str, norm: st
 
 
 def proc_cgroup_path(pid: int, proc: str = "/proc") -> str | None:
-    """The cgroup v2 path of ``pid`` (line ``0::``), else the first v1 path
-    that looks like a Kubernetes one, else the first path.  None if gone."""
-    try:
-        with open(f"{proc}/{pid}/cgroup", "rb") as f:
-            text = f.read().decode(errors="replace")
-    except OSError:
-        return None
-    first = kube = None
-    for line in text.splitlines():
-        hid, _, rest = line.partition(":")
-        _, _, path = rest.partition(":")
-        if hid == "0":
-            return path or "/"
-        if first is None:
-            first = path
-        if kube is None and "kubepods" in path:
-            kube = path
-    return kube or first
+    """The cgroup path of ``pid`` by :func:`hami_bpf.procfs.cgroup_path` (the
+    one ``--group-by cgroup`` names groups by); None if gone."""
+    return procfs.cgroup_path(pid, proc)
 
 
 # --------------------------------------------------------------------------
@@ -425,22 +414,7 @@ def _merge(found: Iterable[Names]) -> Names:
 # pid namespaces
 
 
-def ns_pids(pid: int, proc: str = "/proc") -> tuple[int, int] | None:
-    """``(pid as ``proc`` sees it, pid in the process's own namespace)`` from
-    ``NSpid`` in ``proc/PID/status``; equal for a process in the reader's
-    namespace.  None if the process is gone.  Kernels without ``NSpid``
-    (before 4.1) give ``(pid, pid)``."""
-    try:
-        with open(f"{proc}/{pid}/status", "rb") as f:
-            text = f.read().decode(errors="replace")
-    except OSError:
-        return None
-    for line in text.splitlines():
-        if line.startswith("NSpid:"):
-            nums = [int(x) for x in line.split()[1:] if x.isdigit()]
-            if nums:
-                return nums[0], nums[-1]
-    return pid, pid
+ns_pids = procfs.ns_pids
 
 
 # --------------------------------------------------------------------------
@@ -483,44 +457,20 @@ class LibRef:
         return f"{self.path} ({os.major(self.dev)}:{os.minor(self.dev)} inode {self.inode})"
 
 
-def parse_maps(text: str) -> list[tuple[int, int, int, int, str, str, bool]]:
-    """Lines of /proc/PID/maps -> ``(start, end, dev, inode, perms, path,
-    deleted)`` for file mappings, ``dev`` as ``os.makedev``."""
-    out = []
-    for line in text.splitlines():
-        parts = line.split(None, 5)
-        if len(parts) < 6:
-            continue
-        addrs, perms, _off, dev, inode, path = parts
-        if not path.startswith("/") or inode == "0":
-            continue
-        deleted = path.endswith(" (deleted)")
-        if deleted:
-            path = path[: -len(" (deleted)")]
-        try:
-            major, minor = (int(x, 16) for x in dev.split(":"))
-            start, end = (int(x, 16) for x in addrs.split("-"))
-            out.append((start, end, os.makedev(major, minor), int(inode), perms, path, deleted))
-        except ValueError:
-            continue
-    return out
+parse_maps = procfs.parse_maps
 
 
 def mapped_libcuda(pid: int, proc: str = "/proc") -> list[LibRef]:
     """The libcuda.so* files ``pid`` maps, one per file identity, in map order.
     Empty if none or if the process is gone."""
-    try:
-        with open(f"{proc}/{pid}/maps", "rb") as f:
-            raw = f.read()
-    except OSError:
-        return []
-    if b"libcuda.so" not in raw:
+    raw = procfs.maps(pid, proc)
+    if raw is None or b"libcuda.so" not in raw:
         return []
     seen: dict[tuple[int, int], LibRef] = {}
     for _s, _e, dev, inode, _perms, path, deleted in parse_maps(raw.decode(errors="replace")):
         if not is_libcuda_name(path) or (dev, inode) in seen:
             continue
-        seen[(dev, inode)] = LibRef(dev, inode, path, f"{proc}/{pid}/root{path}", pid, deleted)
+        seen[(dev, inode)] = LibRef(dev, inode, path, procfs.root_path(pid, path, proc), pid, deleted)
     return list(seen.values())
 
 
@@ -529,16 +479,12 @@ def scan_libcuda(proc: str = "/proc", skip: Iterable[int] = ()) -> dict[int, lis
     and a periodic fallback; cost is one read of each process's maps."""
     skip = set(skip)
     out: dict[int, list[LibRef]] = {}
-    try:
-        entries = os.listdir(proc)
-    except OSError:
-        return out
-    for d in entries:
-        if not d.isdigit() or int(d) in skip:
+    for pid in procfs.pids(proc):
+        if pid in skip:
             continue
-        libs = mapped_libcuda(int(d), proc)
+        libs = mapped_libcuda(pid, proc)
         if libs:
-            out[int(d)] = libs
+            out[pid] = libs
     return out
 
 
@@ -661,10 +607,12 @@ class ContainerView:
 
 
 def describe(pid: int, proc: str = "/proc", names: PodNames | None = None,
-             env: Mapping[str, str] | None = None) -> ContainerView:
-    """Host pid, in-namespace pid, cgroup path and pod of ``pid``."""
+             env: Mapping[str, str] | None = None, cgroup: str | None = None) -> ContainerView:
+    """Host pid, in-namespace pid, cgroup path and pod of ``pid``.  ``cgroup``,
+    when given, is the path already read for the process's group, so the pod
+    and the group come from one reading."""
     pids = ns_pids(pid, proc)
-    cg = proc_cgroup_path(pid, proc)
+    cg = cgroup if cgroup is not None else proc_cgroup_path(pid, proc)
     pod = parse_cgroup_path(cg) if cg else None
     if pod is not None and names is not None:
         pod = names.resolve(pod, env)

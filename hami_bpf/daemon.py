@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import abi, containers, enforce, kept
+from . import abi, containers, enforce, kept, procfs
 from .ptrace import PtraceError, read_mem, write_mem
 from .actions import ClearSlot, Compacted, CreateGroup, DeleteGroup, ReleaseProcess, WriteSlot
 from .config import DaemonConfig, unsafe_chain
@@ -104,55 +104,23 @@ def _lock_dir() -> str:
     return LOCK_DIR
 
 
-# --- /proc helpers ------------------------------------------------------------
+# --- /proc (read through procfs) ---------------------------------------------
 
-def _read(path: str) -> bytes | None:
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError:
-        return None
-
-
-# Bytes of /proc/PID/environ read (the kernel allows a quarter of the stack
-# limit, gigabytes): the variables that matter come from the container spec,
-# a few KiB. Past this the environment is cut and the cut is reported.
-ENVIRON_MAX = 1 << 20
 # Longest group name kept as is; a longer one (an env:NAME value, say) is cut
 # and made unique again by a hash of the whole.
 GROUP_NAME_MAX = 1024
 LABEL_MAX = 253            # a Kubernetes name's limit
 PROBLEMS_SHOWN = 8         # malformed variables recorded per process
-
-
-def _read_bounded(path: str, limit: int) -> tuple[bytes | None, bool]:
-    """At most ``limit`` bytes of ``path``, and whether there was more."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(limit + 1)
-    except OSError:
-        return None, False
-    return raw[:limit], len(raw) > limit
-
-
-def parse_environ(raw: bytes, truncated: bool = False) -> dict[str, str]:
-    """NUL-separated NAME=value items, decoded leniently (any bytes in, text
-    out). With ``truncated`` the last item is dropped: it may be cut short."""
-    items = raw.split(b"\0")
-    if truncated and items:
-        items.pop()
-    env = {}
-    for item in items:
-        k, sep, v = item.partition(b"=")
-        if sep:
-            env[k.decode(errors="replace")] = v.decode(errors="replace")
-    return env
+# Bytes of /proc/PID/environ read: the variables that matter come from the
+# container spec, a few KiB. Past this the environment is cut and the cut is
+# reported.
+ENVIRON_MAX = procfs.ENVIRON_MAX
+parse_environ = procfs.parse_environ
 
 
 def read_environ(pid: int) -> tuple[dict[str, str], bool]:
     """(environment of ``pid``, whether it was cut at ENVIRON_MAX bytes)."""
-    raw, cut = _read_bounded(f"/proc/{pid}/environ", ENVIRON_MAX)
-    return parse_environ(raw or b"", cut), cut
+    return procfs.environ(pid, limit=ENVIRON_MAX)
 
 
 def proc_environ(pid: int) -> dict[str, str]:
@@ -170,44 +138,33 @@ def bounded_name(name: str, limit: int = GROUP_NAME_MAX) -> str:
 
 
 def proc_cgroup(pid: int) -> str | None:
-    raw = _read(f"/proc/{pid}/cgroup")
-    if raw is None:
-        return None
-    first = None
-    for line in raw.decode(errors="replace").splitlines():
-        hid, _, rest = line.partition(":")
-        _, _, path = rest.partition(":")
-        if hid == "0":        # the cgroup v2 (unified) hierarchy
-            return path or "/"
-        first = first or path
-    return first or "/"
+    """The cgroup path ``--group-by cgroup`` groups by (see
+    :func:`hami_bpf.procfs.parse_cgroup` for v1 and hybrid hosts)."""
+    return procfs.cgroup_path(pid)
 
 
 def proc_comm(pid: int) -> str:
-    raw = _read(f"/proc/{pid}/comm")
-    return raw.decode(errors="replace").strip() if raw else ""
+    return procfs.comm(pid)
 
 
 def ns_pid(pid: int) -> int | None:
     """The pid as the process's own pid namespace sees it (NSpid's last field)."""
-    raw = _read(f"/proc/{pid}/status")
-    if not raw:
-        return None
-    for line in raw.decode(errors="replace").splitlines():
-        if line.startswith("NSpid:"):
-            parts = line.split()[1:]
-            return int(parts[-1]) if parts else None
-    return None
+    v = procfs.status_field(pid, "NSpid")
+    parts = v.split() if v else []
+    return int(parts[-1]) if parts else None
 
 
-def group_of(pid: int, group_by: str, env: dict[str, str] | None) -> str:
+def group_of(pid: int, group_by: str, env: dict[str, str] | None,
+             cgroup: str | None = None) -> str:
+    """The group of ``pid``. ``cgroup``, when given, is its already read
+    cgroup path (so its group and its pod labels come from one reading)."""
     if group_by == "pid":
         return str(pid)
     if group_by.startswith("env:"):
         name = group_by[4:]
         e = env if env is not None else proc_environ(pid)
         return bounded_name(e.get(name) or f"{name}(unset)")
-    return bounded_name(proc_cgroup(pid) or "(exited)")
+    return bounded_name(cgroup or proc_cgroup(pid) or "(exited)")
 
 
 def pids_mapping(lib: Path) -> list[int]:
@@ -218,35 +175,20 @@ def pids_mapping(lib: Path) -> list[int]:
         return []
     want = f" {st.st_ino} "
     out = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        raw = _read(f"/proc/{d}/maps")
+    for pid in procfs.pids():
+        raw = procfs.maps(pid)
         if raw and want.encode() in raw and str(lib.name).encode() in raw:
-            out.append(int(d))
+            out.append(pid)
     return out
 
 
 def _stopped_tasks(pid: int) -> list[int]:
-    out = []
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return out
-    for t in tids:
-        raw = _read(f"/proc/{pid}/task/{t}/stat")
-        if raw and raw.rsplit(b")", 1)[-1].split()[:1] == [b"T"]:
-            out.append(int(t))
-    return out
+    return [t for t in procfs.tasks(pid) if procfs.state(pid, t) == "T"]
 
 
 def _user_pc(pid: int, tid: int) -> int | None:
     """The user pc of a task that is not in a system call ("-1 sp pc")."""
-    raw = _read(f"/proc/{pid}/task/{tid}/syscall")
-    parts = raw.split() if raw else []
-    if len(parts) == 3 and parts[0] == b"-1":
-        return int(parts[2], 16)
-    return None
+    return procfs.user_pc(pid, tid)
 
 
 def find_libnvml(libcuda_path: Path) -> Path | None:
@@ -767,7 +709,7 @@ class Daemon:
             self.probes.give_back(r.tid, r.group, r.device, r.size)
         for tid in a.stale_calls:
             self.probes.give_back(tid, None, 0, 0)
-        threads = self.probes.forget_threads(lambda tid: os.path.exists(f"/proc/{tid}"))
+        threads = self.probes.forget_threads(procfs.thread_exists)
         # A group index is never reused: entries of one no process is in any
         # more are deleted below, but not before a new group could take it.
         self.table = SlotTable(first_group_index=max(a.indices, default=0) + 1)
@@ -983,7 +925,7 @@ class Daemon:
             os.close(fd)
             return self._refuse_lib(ref, f"another hami-bpf daemon is attached to it (lock "
                                          f"{lock_path} is held)", kind="config")
-        path = f"/proc/{os.getpid()}/fd/{fd}"
+        path = procfs.fd_path(fd)
         try:
             syms = libcuda.cuda_symbols(path)
             a = self.probes.attach_core(path, syms)
@@ -1337,10 +1279,13 @@ class Daemon:
             if got is not None:
                 c.cvd, mapped = got
                 c.phys = [i if p is None else p for i, p in enumerate(mapped)]
-        group = step("group", lambda: group_of(pid, self.group_by, env))
+        # One reading of the cgroup file names the group and gives the pod labels.
+        cg = step("cgroup", lambda: proc_cgroup(pid))
+        group = step("group", lambda: group_of(pid, self.group_by, env, cg))
         if group is not None:
             c.group = group
-        pod = step("pod", lambda: containers.describe(pid, names=self.pod_names, env=env).pod)
+        pod = step("pod", lambda: containers.describe(pid, names=self.pod_names, env=env,
+                                                      cgroup=cg).pod)
         if pod is not None:
             c.labels = {clipped(str(k), LABEL_MAX): clipped(str(v), LABEL_MAX)
                         for k, v in pod.labels().items()}

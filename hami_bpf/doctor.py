@@ -13,6 +13,8 @@ import platform
 from pathlib import Path
 from typing import Any, Callable
 
+from . import procfs
+
 __all__ = ["CHECKS", "collect"]
 
 
@@ -42,16 +44,7 @@ def check_uprobes() -> dict[str, Any]:
 
 
 def _mounts() -> list[tuple[str, str]]:
-    try:
-        lines = Path("/proc/self/mounts").read_text().splitlines()
-    except OSError:
-        return []
-    out = []
-    for line in lines:
-        parts = line.split()
-        if len(parts) >= 3:
-            out.append((parts[1], parts[2]))
-    return out
+    return procfs.mounts()
 
 
 def check_tracefs() -> dict[str, Any]:

@@ -31,7 +31,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from hami_bpf import ptrace
+from hami_bpf import procfs, ptrace
 
 log = logging.getLogger(__name__)
 
@@ -85,29 +85,14 @@ class EnforceRefused(EnforceError):
 # /proc helpers
 
 
-def _stat_fields(path: str) -> list[str]:
-    """Fields of a /proc/.../stat line, numbered from 1 (index 0 is field 1: pid)."""
-    with open(path, "rb") as f:
-        raw = f.read().decode("utf-8", "replace")
-    lpar, rpar = raw.index("("), raw.rindex(")")  # comm may hold spaces and ')'
-    return [raw[:lpar].strip(), raw[lpar + 1 : rpar]] + raw[rpar + 1 :].split()
-
-
 def proc_start_time(pid: int) -> int | None:
     """Field 22 (starttime, clock ticks after boot) of /proc/PID/stat; None if gone."""
-    try:
-        return int(_stat_fields(f"/proc/{pid}/stat")[21])
-    except (OSError, ValueError, IndexError):
-        return None
+    return procfs.start_time(pid)
 
 
 def proc_state(pid: int, tid: int | None = None) -> str | None:
     """Field 3 (state letter) of /proc/PID/stat or /proc/PID/task/TID/stat; None if gone."""
-    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
-    try:
-        return _stat_fields(path)[2]
-    except (OSError, ValueError, IndexError):
-        return None
+    return procfs.state(pid, tid)
 
 
 def resume(pid: int) -> bool:
@@ -144,38 +129,25 @@ def entry_address(pid: int, lib_path: str, file_offset: int) -> int | None:
         return None
     want_dev = (os.major(st.st_dev), os.minor(st.st_dev))
     want = (want_dev, st.st_ino)
-    try:
-        with open(f"/proc/{pid}/maps", "rb") as f:
-            lines = f.read().decode("utf-8", "replace").splitlines()
-    except OSError:
+    raw = procfs.maps(pid)
+    if raw is None:
         return None
 
-    candidates = []  # (start, end, offset, path) of executable file mappings
-    for line in lines:
-        parts = line.split(None, 5)
-        if len(parts) < 6 or "x" not in parts[1]:
+    candidates = []  # (start, offset, path) of executable file mappings
+    for e in procfs.maps_entries(raw.decode("utf-8", "replace")):
+        if "x" not in e.perms or e.inode == 0:
             continue
-        addrs, _perms, off, dev, inode, path = parts
-        try:
-            start, end = (int(x, 16) for x in addrs.split("-"))
-            off = int(off, 16)
-            major, minor = (int(x, 16) for x in dev.split(":"))
-            ino = int(inode)
-        except ValueError:
+        if not (e.offset <= file_offset < e.offset + (e.end - e.start)):
             continue
-        if ino == 0:
-            continue
-        if not (off <= file_offset < off + (end - start)):
-            continue
-        if ((major, minor), ino) == want:
-            return start + (file_offset - off)
-        candidates.append((start, off, path))
+        if ((os.major(e.dev), os.minor(e.dev)), e.inode) == want:
+            return e.start + (file_offset - e.offset)
+        candidates.append((e.start, e.offset, e.path))
 
     seen: dict[str, bool] = {}
     for start, off, path in candidates:
         if path not in seen:
             try:
-                pst = os.stat(f"/proc/{pid}/root{path}")
+                pst = os.stat(procfs.root_path(pid, path))
                 seen[path] = (pst.st_dev, pst.st_ino) == (st.st_dev, st.st_ino)
             except OSError:
                 seen[path] = False
@@ -239,18 +211,12 @@ def _shadow_stack_on(pid: int, tid: int) -> bool:
     Returning without a ``ret`` would leave the shadow stack one entry deep,
     and the caller's own ``ret`` would then fault.
     """
-    try:
-        with open(f"/proc/{pid}/task/{tid}/status") as f:
-            for line in f:
-                if line.startswith("x86_Thread_features:"):
-                    return "shstk" in line.split(":", 1)[1].split()
-    except OSError:
-        pass
-    return False
+    features = procfs.status_field(pid, "x86_Thread_features", tid)
+    return features is not None and "shstk" in features.split()
 
 
 def _thread_exists(pid: int, tid: int) -> bool:
-    return os.path.exists(f"/proc/{pid}/task/{tid}")
+    return procfs.task_exists(pid, tid)
 
 
 def _detach_hard(pid: int, tid: int, tries: int = 10) -> None:

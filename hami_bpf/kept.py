@@ -26,6 +26,8 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
+from . import procfs
+
 PREDECESSOR_WAIT_S = 120.0   # its probes close in ~0.1 s each (6.18): 370 took 34 s
 OWNER_FILE = "daemon.json"
 # A process's start time (clock ticks) is coarser than the probes' clock:
@@ -110,38 +112,34 @@ def plan(procs: Mapping[int, tuple[int, int]], assigned: Mapping[int, int],
 
 # --- /proc and the state directory ---------------------------------------------
 
-def _stat(pid: int) -> list[str] | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read(4096).decode(errors="replace")
-    except OSError:
+def _live_stat(pid: int) -> list[str] | None:
+    """stat fields of a process that has not exited (a zombie has closed its
+    files: its probes are gone)."""
+    f = procfs.stat_fields(pid)
+    if not f or len(f) < 22 or f[2] in ("Z", "X"):
         return None
-    return raw.rpartition(")")[2].split()
+    return f
 
 
 def start_ns(pid: int) -> int | None:
     """When ``pid``'s live process started, on CLOCK_MONOTONIC (the probes'
     clock); None if there is none or it is a zombie."""
-    f = _stat(pid)
-    if not f or len(f) < 20 or f[0] in ("Z", "X"):
+    f = _live_stat(pid)
+    if f is None:
         return None
-    ticks = int(f[19])
-    boot_ns = ticks * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
+    boot_ns = int(f[21]) * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
     # /proc counts from boot including suspend; the probes' clock does not.
     suspended = time.clock_gettime_ns(time.CLOCK_BOOTTIME) - time.monotonic_ns()
     return boot_ns - suspended
 
 
 def _alive(pid: int, start: int | None) -> bool:
-    f = _stat(pid)
-    if not f or len(f) < 20 or f[0] in ("Z", "X"):
-        return False     # a zombie has closed its files: its probes are gone
-    return start is None or int(f[19]) == start
+    f = _live_stat(pid)
+    return f is not None and (start is None or int(f[21]) == start)
 
 
 def _start_ticks(pid: int) -> int | None:
-    f = _stat(pid)
-    return int(f[19]) if f and len(f) >= 20 else None
+    return procfs.start_time(pid)
 
 
 def write_owner(state_dir: str, closer: int | None = None) -> None:

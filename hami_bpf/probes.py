@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
-from . import abi
+from . import abi, procfs
 
 log = logging.getLogger("hami_bpf.probes")
 
@@ -98,14 +98,7 @@ class ProbeError(RuntimeError):
 
 def _perf_fds() -> set[int]:
     """This process's perf event descriptors (probes and tracepoints)."""
-    out = set()
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            if os.readlink(f"/proc/self/fd/{name}") == "anon_inode:[perf_event]":
-                out.add(int(name))
-        except (OSError, ValueError):
-            pass
-    return out
+    return {fd for fd in procfs.fds() if procfs.fd_target(fd) == "anon_inode:[perf_event]"}
 
 
 def ensure_tracefs() -> None:
@@ -894,10 +887,7 @@ class Probes:
         Meanwhile they only count (see close)."""
         if not perf:
             return None
-        others = []
-        for name in os.listdir("/proc/self/fd"):
-            if name.isdigit() and int(name) not in perf:
-                others.append(int(name))
+        others = [fd for fd in procfs.fds() if fd not in perf]
         try:
             pid = os.fork()
         except OSError as e:
