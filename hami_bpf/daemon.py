@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import errno
+import heapq
 import logging
 import math
 import os
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import abi, containers, enforce, kept, procfs
+from .heartbeat import DenyPacer, Heartbeat
 from .ptrace import PtraceError, read_mem, write_mem
 from .actions import ClearSlot, Compacted, CreateGroup, DeleteGroup, ReleaseProcess, WriteSlot
 from .config import DaemonConfig, unsafe_chain
@@ -415,6 +417,12 @@ class Daemon:
         self._reload_again = False        # SIGHUP while it read: read once more
         self._snap = Snapshot.empty()
         self._adopting = False
+        self.heart: Heartbeat | None = None
+        self.deny_pacer = DenyPacer()
+        # Paced denials: (due, seq, event), processes stopped until answered.
+        self._deferred: list[tuple[float, int, abi.Event]] = []
+        self._deferred_pids: dict[int, float] = {}   # pid -> due of its last paced denial
+        self._deferred_seq = 0
         self._mismatch: dict[int, dict[int, int]] = {}   # pid -> kernel usage that disagreed
         self._dirty = True
         self.probes = None
@@ -581,7 +589,8 @@ class Daemon:
             self.mechanisms["admission"] = "from first classified call"
         self.probes.set_config(flags=flags, oom_action=self.oom_action, stale_ns=HEARTBEAT_STALE_NS)
         self.probes.set_graph_cost(GRAPH_COST)
-        self.probes.heartbeat()
+        self.heart = Heartbeat(self.probes.heartbeat)
+        self.heart.start()
         self.probes.open_events(self._on_event)
         if self._adopting:
             self._adopt()     # before our probes attach: nothing changes the maps meanwhile
@@ -1002,7 +1011,7 @@ class Daemon:
     def loop(self) -> None:
         last_reap = last_sweep = last_reconcile = time.monotonic()
         while not self._stopping:
-            self.probes.heartbeat()
+            self.heart.progress()
             # While a group is held, tick fast: the hold should end as soon as
             # the budget allows, or the held time itself lowers the share.
             self.probes.poll(self._poll_ms())
@@ -1015,6 +1024,8 @@ class Daemon:
             if now - last_reap >= REAP_EVERY_S:
                 self._reap()
                 last_reap = now
+            if self._deferred:
+                self._answer_deferred(now)
             if now - last_reconcile >= RECONCILE_EVERY_S:
                 self._reconcile()
                 last_reconcile = now
@@ -1054,6 +1065,9 @@ class Daemon:
                     error=type(e).__name__)
 
     def _poll_ms(self) -> int:
+        if self._deferred:
+            due = self._deferred[0][0] - time.monotonic()
+            return max(1, min(POLL_MS, math.ceil(due * 1000)))
         if not self.sm_caps:
             return POLL_MS
         wait = HELD_TICK_S if self.throttled else THROTTLE_TICK_S
@@ -1157,6 +1171,10 @@ class Daemon:
 
     def shutdown(self) -> None:
         """Every exit path: nobody may be left stopped, every probe detached."""
+        if self.heart is not None:
+            self.heart.stop()
+        if self._deferred:
+            self._answer_deferred(math.inf)   # a paced denial is answered, never resumed as is
         if self.probes:
             try:
                 self.probes.stop_heartbeat()   # the BPF side stops nobody from now on
@@ -1186,6 +1204,7 @@ class Daemon:
     # -- events from BPF -------------------------------------------------------
 
     def _on_event(self, e: abi.Event) -> None:
+        self.heart.progress()
         try:
             self._handle(e)
         except Exception:
@@ -1930,6 +1949,7 @@ class Daemon:
                 if self.ctx_bytes:
                     self._after_release.append((a.group, tuple(a.released)))
                 self.denied.pop(a.key.pid, None)
+                self.deny_pacer.forget(a.key.pid)
                 if enforce.proc_start_time(a.key.pid) != a.key.start_time:
                     self.probes.delete_proc_cfg(a.key.pid)
             elif isinstance(a, DeleteGroup):
@@ -1965,33 +1985,25 @@ class Daemon:
 
     def _deny(self, e: abi.Event) -> None:
         pid, act = e.tgid, e.aux
-        view = self.table.process(pid)
-        group = view.group if view else "?"
-        limit = self.table.limits(group).get(e.device) if view else None
-        what = (f"denied pid {pid} group {group!r} device {e.device}: request {e.size} bytes over "
-                f"limit {limit} bytes")
+        what, group, limit = self._deny_what(e)
         self.counters["denials"] += 1
         if act != abi.ACT_OBSERVE and act != abi.ACT_NONE_STALE:
             self.denied[pid] += 1
         if act == abi.ACT_STOP_REWRITE:
-            try:
-                took = enforce.fail_call(pid, e.tid, e.ptr, stopped=self.stopped)
-                self.record("deny", f"{what}: returned CUDA_ERROR_OUT_OF_MEMORY "
-                            f"({took * 1e3:.2f} ms)", pid=pid, group=group, device=e.device,
-                            size=e.size, limit=limit, action="stop-rewrite")
-            except enforce.EnforceRefused as err:
-                self.counters["enforce_refused"] += 1
-                self.record("fallback", f"{what}: stop-rewrite refused ({err.reason}); call let "
-                            "through", pid=pid, action="let-through")
-            except enforce.EnforceError as err:
-                self.counters["enforce_errors"] += 1
-                self.record("error", f"{what}: stop-rewrite failed: {err}", pid=pid)
-            except BaseException:
-                enforce.resume(pid)
-                raise
-            # fail_call resumed the process on every path above. Never send a
-            # second SIGCONT: it could cancel the SIGSTOP of the process's next
-            # denial, letting that call through (seen on the H200).
+            now = time.monotonic()
+            # A process that retries over its limit waits, stopped, before its
+            # answer (heartbeat.DenyPacer): its retries cost the loop little.
+            # Its later denials join the queue behind it, so they are answered
+            # one after the other.
+            delay = self.deny_pacer.delay(pid, now)
+            if delay > 0 or pid in self._deferred_pids:
+                due = max(now + delay, self._deferred_pids.get(pid, 0.0))
+                self._deferred_pids[pid] = due
+                heapq.heappush(self._deferred, (due, self._deferred_seq, e))
+                self._deferred_seq += 1
+                self.counters["denials_paced"] += 1
+                return
+            self._answer_denial(e, what, group, limit)
         elif act == abi.ACT_KILL:
             self.record("deny", f"{what}: killed (SIGKILL)", pid=pid, group=group, device=e.device,
                         size=e.size, limit=limit, action="kill")
@@ -2003,6 +2015,46 @@ class Daemon:
             why = "controller stale" if act == abi.ACT_NONE_STALE else "observe only"
             self.record("deny", f"{what}: allowed ({why})", pid=pid, group=group, device=e.device,
                         size=e.size, limit=limit, action=abi.ACTION_NAMES.get(act, str(act)))
+
+    def _deny_what(self, e: abi.Event) -> tuple[str, str, int | None]:
+        view = self.table.process(e.tgid)
+        group = view.group if view else "?"
+        limit = self.table.limits(group).get(e.device) if view else None
+        return (f"denied pid {e.tgid} group {group!r} device {e.device}: request {e.size} bytes "
+                f"over limit {limit} bytes"), group, limit
+
+    def _answer_denial(self, e: abi.Event, what: str, group: str, limit: int | None) -> None:
+        """Make a call the probe stopped return CUDA_ERROR_OUT_OF_MEMORY."""
+        pid = e.tgid
+        try:
+            took = enforce.fail_call(pid, e.tid, e.ptr, stopped=self.stopped)
+            self.record("deny", f"{what}: returned CUDA_ERROR_OUT_OF_MEMORY "
+                        f"({took * 1e3:.2f} ms)", pid=pid, group=group, device=e.device,
+                        size=e.size, limit=limit, action="stop-rewrite")
+        except enforce.EnforceRefused as err:
+            self.counters["enforce_refused"] += 1
+            self.record("fallback", f"{what}: stop-rewrite refused ({err.reason}); call let "
+                        "through", pid=pid, action="let-through")
+        except enforce.EnforceError as err:
+            self.counters["enforce_errors"] += 1
+            self.record("error", f"{what}: stop-rewrite failed: {err}", pid=pid)
+        except BaseException:
+            enforce.resume(pid)
+            raise
+        finally:
+            self.deny_pacer.answered(pid, time.monotonic())
+        # fail_call resumed the process on every path above. Never send a
+        # second SIGCONT: it could cancel the SIGSTOP of the process's next
+        # denial, letting that call through (seen on the H200).
+
+    def _answer_deferred(self, now: float) -> None:
+        """Answer the paced denials that are due (every one at shutdown: now=inf)."""
+        while self._deferred and self._deferred[0][0] <= now:
+            _, _, e = heapq.heappop(self._deferred)
+            what, group, limit = self._deny_what(e)
+            self._answer_denial(e, what + " (paced)", group, limit)
+            if not any(x[2].tgid == e.tgid for x in self._deferred):
+                self._deferred_pids.pop(e.tgid, None)
 
     def _meminfo(self, e: abi.Event) -> None:
         pid = e.tgid

@@ -349,6 +349,7 @@ class Probes:
         # throttling, enforcement) must never wait seconds for them. bcc's
         # per-probe bookkeeping is shared, hence the lock around each call.
         self._bcc_lock = threading.Lock()
+        self._config_lock = threading.Lock()
         self._pending: set[tuple[str, str]] = set()   # (lib, sym) with a detach queued
         self._jobs: queue.Queue = queue.Queue()
         self._worker = threading.Thread(target=self._detach_worker, name="hami-detach",
@@ -671,11 +672,18 @@ class Probes:
             out[k] = out.get(k, 0) + 1
         return out
 
+    def _set_config_fields(self, **fields) -> None:
+        """Read-modify-write of the one config value: the heartbeat thread
+        writes it too, so each change holds the lock."""
+        with self._config_lock:
+            t = self.map["config"]
+            v = t[ct.c_int(0)]
+            for name, value in fields.items():
+                setattr(v, name, value)
+            t[ct.c_int(0)] = v
+
     def set_graph_cost(self, cost: int) -> None:
-        t = self.map["config"]
-        v = t[ct.c_int(0)]
-        v.graph_cost = max(1, int(cost))
-        t[ct.c_int(0)] = v
+        self._set_config_fields(graph_cost=max(1, int(cost)))
 
     def delete_group(self, group_index: int) -> None:
         for name in ("grp_lim", "grp_mem", "sm_grant", "sm_use"):
@@ -781,23 +789,14 @@ class Probes:
         return {(k.tgid, k.device): v.value for k, v in self.map["pmem"].items()}
 
     def set_config(self, *, flags: int, oom_action: int, stale_ns: int) -> None:
-        t = self.map["config"]
-        v = t[ct.c_int(0)]
-        v.flags, v.oom_action, v.stale_ns = flags, oom_action, stale_ns
-        t[ct.c_int(0)] = v
+        self._set_config_fields(flags=flags, oom_action=oom_action, stale_ns=stale_ns)
 
     def heartbeat(self) -> None:
-        t = self.map["config"]
-        v = t[ct.c_int(0)]
-        v.heartbeat_ns = time.monotonic_ns()
-        t[ct.c_int(0)] = v
+        self._set_config_fields(heartbeat_ns=time.monotonic_ns())
 
     def stop_heartbeat(self) -> None:
         """Tell the BPF side nobody will resume a stop from now on."""
-        t = self.map["config"]
-        v = t[ct.c_int(0)]
-        v.heartbeat_ns = 0
-        t[ct.c_int(0)] = v
+        self._set_config_fields(heartbeat_ns=0)
 
     def stats(self) -> dict[str, int]:
         t = self.map["stats"]
