@@ -1,0 +1,111 @@
+"""Storms: accounting that a lost event cannot corrupt, and memory limits that
+a burst of work does not open.
+
+* alloc/free storms from several processes overflow the ring buffer: usage
+  still returns to exactly what is allocated (the kernel's counters are
+  authoritative; the daemon's table follows them), and memory info is exact;
+* a process retrying an allocation over its limit as fast as it can gets
+  CUDA_ERROR_OUT_OF_MEMORY every time (none admitted: the heartbeat does not
+  depend on how much work the daemon has queued), and its retries are paced;
+* a process that starts in a limited group during a storm is limited.
+"""
+from __future__ import annotations
+
+import pytest
+
+from helpers import (Daemon, Tracked, converge, finish_daemon, gname, wait_for, wait_registered,
+                     write_policy)
+
+pytestmark = pytest.mark.bpf
+
+MiB = 1 << 20
+LIMIT = 64 * MiB
+OOM = 2  # CUDA_ERROR_OUT_OF_MEMORY
+
+
+@pytest.fixture(scope="module")
+def daemon(fakecuda, tmp_path_factory):
+    policy = write_policy(tmp_path_factory.mktemp("policy") / "policy.toml",
+                          f'[[group]]\nmatch = "storm*"\nmemory = {LIMIT}\n')
+    d = Daemon(fakecuda, policy=policy).start()
+    yield d
+    finish_daemon(d)
+
+
+def _group_used(snap: dict, pid: int) -> int:
+    rec = next(p for p in snap["processes"] if p["pid"] == pid)
+    g = next(g for g in snap["groups"] if g["id"] == rec["group"])
+    return int(g["devices"].get("0", {}).get("used_bytes", 0))
+
+
+def test_after_an_alloc_free_storm_usage_is_exactly_what_is_held(daemon, fakecuda):
+    g = gname("storm")
+    procs = [Tracked.spawn(fakecuda, g) for _ in range(8)]
+    try:
+        wait_registered(daemon, procs)
+        procs[0].alloc(f"alloc {3 * MiB}", 0)         # held through the storm
+        for t in procs:
+            t.proc.send("stress 1 20000 4096")
+        for t in procs:
+            r = t.proc.reply(timeout=300)
+            assert r["rc"] == "0" and r["n"] == "20000", r
+        snap = converge(daemon, procs)                 # per process and per group, exact
+        assert _group_used(snap, procs[0].pid) == 3 * MiB
+        # a new process of the group reads the exact free memory
+        with Tracked.spawn(fakecuda, g) as late:
+            wait_registered(daemon, [late])
+            r = late.ok("meminfo")
+            assert int(r["total"]) == LIMIT
+            assert int(r["free"]) == LIMIT - 3 * MiB
+    finally:
+        for t in procs:
+            t.close()
+
+
+def test_a_retry_storm_over_the_limit_admits_nothing(daemon, fakecuda):
+    g = gname("storm")
+    retries = 60
+    with Tracked.spawn(fakecuda, g) as a:
+        a.alloc(f"alloc {LIMIT}", 0)
+        converge(daemon, [a])
+        before = daemon.snapshot()["counters"]
+        for _ in range(retries):
+            a.proc.send("alloc 1M")
+        # a newcomer in another limited group starts during the storm: limited
+        with Tracked.spawn(fakecuda, gname("storm")) as b:
+            b.alloc(f"alloc {LIMIT}", 0)
+            assert b.alloc("alloc 1", 0, expect_rc=None)[0] == OOM
+            converge(daemon, [b])
+        rcs = [int(a.proc.reply(timeout=60)["rc"]) for _ in range(retries)]
+        assert rcs == [OOM] * retries, f"{rcs.count(0)} of {retries} admitted over the limit"
+        snap = converge(daemon, [a])
+        assert _group_used(snap, a.pid) == LIMIT
+        after = snap["counters"]
+        assert after.get("stale_heartbeat_skips", 0) == before.get("stale_heartbeat_skips", 0)
+        # past a few a second, the answers were paced
+        assert after.get("denials_paced", 0) > before.get("denials_paced", 0)
+
+
+def test_paced_denials_are_answered_at_shutdown(fakecuda, tmp_path):
+    """A daemon stopped while a retry storm waits for its answers answers the
+    waiting ones and leaves nothing stopped: every call returns (those after
+    the daemon is gone run unprobed)."""
+    policy = write_policy(tmp_path / "policy.toml",
+                          f'[[group]]\nmatch = "storm*"\nmemory = {LIMIT}\n')
+    d = Daemon(fakecuda, policy=policy).start()
+    a = Tracked.spawn(fakecuda, gname("storm"))
+    try:
+        a.alloc(f"alloc {LIMIT}", 0)
+        converge(d, [a])
+        for _ in range(30):
+            a.proc.send("alloc 1M")
+        wait_for(lambda: None if d.snapshot()["counters"].get("denials_paced", 0)
+                 else "no denial paced yet", 30, what="a paced denial", deadlines=d.deadlines)
+        finish_daemon(d)       # asserts exit 0 and no process left stopped
+        rcs = [int(a.proc.reply(timeout=30)["rc"]) for _ in range(30)]
+        assert set(rcs) <= {0, OOM} and OOM in rcs
+    finally:
+        if d.proc and d.proc.poll() is None:
+            d.stop()
+        a.mark_dead()
+        a.close()
