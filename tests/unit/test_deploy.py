@@ -120,10 +120,10 @@ def test_mounts_and_volumes_match_and_are_justified():
         assert block.rstrip().splitlines()[-1].strip().startswith("#"), m["name"]
     # read-only unless the agent writes there
     writable = {m["name"] for m in mounts.values() if not m.get("readOnly")}
-    assert writable == {"run", "modules-links", "hami-vgpu-containers", "tmp"}, writable
+    assert writable == {"run", "bpffs", "modules-links", "hami-vgpu-containers", "tmp"}, writable
     paths = {v["hostPath"]["path"] for v in vols.values() if "hostPath" in v}
-    for needed in ("/sys/kernel/tracing", "/sys/kernel/btf", "/run/hami-bpf", "/lib/modules",
-                   "/usr/src"):
+    for needed in ("/sys/kernel/tracing", "/sys/kernel/btf", "/run/hami-bpf", "/sys/fs/bpf",
+                   "/lib/modules", "/usr/src"):
         assert needed in paths, needed
 
 
