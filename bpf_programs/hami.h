@@ -24,10 +24,10 @@
 #define HAMI_EV_EXIT        6  /* a thread-group leader we know exited */
 #define HAMI_EV_MEMINFO     7  /* cuMemGetInfo_v2 returned; ptr = free*, aux = total*; the process is stopped when flags has HAMI_F_STOPPED */
 #define HAMI_EV_TOTALMEM    8  /* cuDeviceTotalMem_v2 returned; ptr = bytes*, stopped as above */
-#define HAMI_EV_CTX         9  /* a context was bound to a device (informational) */
 #define HAMI_EV_NVMLMEM    11  /* nvmlDeviceGetMemoryInfo[_v2] returned; ptr = nvmlMemory*, aux = struct version (1, 2); stopped as MEMINFO */
 #define HAMI_EV_THROTTLE   10  /* a launch found its group's SM budget spent: the process is stopped (flags) */
 #define HAMI_EV_EXEC       12  /* a process we know replaced its image (execve): the old image's bytes went back to its group */
+/* 9 is unused (it once named an event nothing sent): leave it unassigned. */
 
 /* Allocation kinds: a device pointer and a cuMemCreate handle are different
  * name spaces in one process. */
