@@ -1,7 +1,8 @@
 """ctypes mirror of bpf_programs/hami.h, the ABI between BPF and Python.
 
 Mirrored once, here. tests/bpf/test_abi.py checks every size and offset against
-bcc's own view of the compiled structs, and every constant against the header.
+bcc's own view of the compiled structs; tests/unit/test_abi_constants.py checks
+every constant against the header.
 """
 from __future__ import annotations
 
