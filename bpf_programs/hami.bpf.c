@@ -171,7 +171,7 @@ static __always_inline void ctx_stack_op(__u32 tid, int op, __u64 cu_ctx, __s32 
 		return;
 	}
 	__u32 d = t->depth;
-	if (op == 0) {             /* set: replace the top, NULL pops */
+	if (op == HAMI_CTXOP_SET) {
 		if (!cu_ctx) {
 			if (d > 0)
 				t->depth = d - 1;
@@ -182,16 +182,16 @@ static __always_inline void ctx_stack_op(__u32 tid, int op, __u64 cu_ctx, __s32 
 		t->ctx[(d - 1) & (HAMI_CTX_DEPTH - 1)] = cu_ctx;
 		t->dev[(d - 1) & (HAMI_CTX_DEPTH - 1)] = dev;
 		t->depth = d;
-	} else if (op == 1) {      /* push */
+	} else if (op == HAMI_CTXOP_PUSH) {
 		if (d >= HAMI_CTX_DEPTH)
 			return;
 		t->ctx[d & (HAMI_CTX_DEPTH - 1)] = cu_ctx;
 		t->dev[d & (HAMI_CTX_DEPTH - 1)] = dev;
 		t->depth = d + 1;
-	} else if (op == 2) {      /* pop */
+	} else if (op == HAMI_CTXOP_POP) {
 		if (d > 0)
 			t->depth = d - 1;
-	} else if (op == 3) {      /* destroy: pop if it is the top */
+	} else if (op == HAMI_CTXOP_DESTROY) {
 		if (d > 0 && t->ctx[(d - 1) & (HAMI_CTX_DEPTH - 1)] == cu_ctx)
 			t->depth = d - 1;
 	}
@@ -381,7 +381,7 @@ static __always_inline int alloc_return(struct pt_regs *ctx)
 	int rc = (int)PT_REGS_RC(ctx);
 	__u64 size = call.size;
 	__u64 ptr = 0;
-	if (rc == 0) {
+	if (rc == HAMI_CUDA_SUCCESS) {
 		bpf_probe_read_user(&ptr, sizeof(ptr), (void *)call.out);
 		if (call.fn == HAMI_FN_PITCH) {
 			__u64 pitch = 0;
@@ -394,7 +394,7 @@ static __always_inline int alloc_return(struct pt_regs *ctx)
 	if (call.flags & HAMI_F_RESERVED) {
 		/* Settle the reservation: give it all back on failure, or the
 		 * difference when the driver padded (pitch). */
-		__s64 delta = rc == 0 ? (__s64)(size - call.size) : -(__s64)call.size;
+		__s64 delta = rc == HAMI_CUDA_SUCCESS ? (__s64)(size - call.size) : -(__s64)call.size;
 		if (delta) {
 			struct hami_gmem *gm = grp_mem.lookup(&gk);
 			if (gm)
@@ -403,7 +403,7 @@ static __always_inline int alloc_return(struct pt_regs *ctx)
 	}
 
 	__u32 kind = 0;
-	if (rc == 0) {
+	if (rc == HAMI_CUDA_SUCCESS) {
 		kind = call.fn == HAMI_FN_CREATE ? HAMI_KIND_HANDLE : HAMI_KIND_PTR;
 		struct hami_akey ak = { .tgid = tgid, .kind = kind, .ptr = ptr };
 		struct hami_proc *p = procs.lookup(&tgid);
@@ -428,7 +428,7 @@ static __always_inline int alloc_return(struct pt_regs *ctx)
 	/* Reserved only here, tested once: 6.1's verifier does not know a
 	 * tested ring buffer record is non-null and walks a second test's
 	 * "null" branch ("Unreleased reference"). */
-	struct hami_event *e = new_event(rc == 0 ? HAMI_EV_ALLOC : HAMI_EV_ALLOC_FAIL);
+	struct hami_event *e = new_event(rc == HAMI_CUDA_SUCCESS ? HAMI_EV_ALLOC : HAMI_EV_ALLOC_FAIL);
 	if (e) {
 		e->alloc_kind = kind;
 		e->rc = rc;
@@ -550,7 +550,7 @@ int uretprobe__ctx_return(struct pt_regs *ctx)
 	struct hami_call call;
 	if (!take_call(tid, &call))
 		return 0;
-	if ((call.fn != HAMI_FN_CTXRETAIN && call.fn != HAMI_FN_CTXCREATE) || PT_REGS_RC(ctx) != 0)
+	if ((call.fn != HAMI_FN_CTXRETAIN && call.fn != HAMI_FN_CTXCREATE) || PT_REGS_RC(ctx) != HAMI_CUDA_SUCCESS)
 		return 0;
 	__u64 cu_ctx = 0;
 	bpf_probe_read_user(&cu_ctx, sizeof(cu_ctx), (void *)call.out);
@@ -559,7 +559,7 @@ int uretprobe__ctx_return(struct pt_regs *ctx)
 	if (ctx_dev.update(&k, &dev) != 0)
 		stat_inc(HAMI_STAT_CTX_FULL);
 	if (call.fn == HAMI_FN_CTXCREATE) {
-		ctx_stack_op(tid, 1, cu_ctx, dev);
+		ctx_stack_op(tid, HAMI_CTXOP_PUSH, cu_ctx, dev);
 		note_device(tgid, dev);
 	}
 	return 0;
@@ -572,7 +572,7 @@ int uprobe__cuCtxSetCurrent(struct pt_regs *ctx)
 	__u32 tgid = id >> 32, tid = (__u32)id;
 	__u64 cu_ctx = PT_REGS_PARM1(ctx);
 	__s32 dev = cu_ctx ? ctx_device(tgid, cu_ctx) : -1;
-	ctx_stack_op(tid, 0, cu_ctx, dev);
+	ctx_stack_op(tid, HAMI_CTXOP_SET, cu_ctx, dev);
 	note_device(tgid, dev);
 	return 0;
 }
@@ -584,7 +584,7 @@ int uprobe__cuCtxPushCurrent_v2(struct pt_regs *ctx)
 	__u32 tgid = id >> 32, tid = (__u32)id;
 	__u64 cu_ctx = PT_REGS_PARM1(ctx);
 	__s32 dev = ctx_device(tgid, cu_ctx);
-	ctx_stack_op(tid, 1, cu_ctx, dev);
+	ctx_stack_op(tid, HAMI_CTXOP_PUSH, cu_ctx, dev);
 	note_device(tgid, dev);
 	return 0;
 }
@@ -593,7 +593,7 @@ int uprobe__cuCtxPushCurrent_v2(struct pt_regs *ctx)
 int uprobe__cuCtxPopCurrent_v2(struct pt_regs *ctx)
 {
 	__u32 tid = (__u32)bpf_get_current_pid_tgid();
-	ctx_stack_op(tid, 2, 0, -1);
+	ctx_stack_op(tid, HAMI_CTXOP_POP, 0, -1);
 	return 0;
 }
 
@@ -605,7 +605,7 @@ int uprobe__cuCtxDestroy_v2(struct pt_regs *ctx)
 	__u64 cu_ctx = PT_REGS_PARM1(ctx);
 	struct hami_ckey k = { .tgid = tgid, .ctx = cu_ctx };
 	ctx_dev.delete(&k);
-	ctx_stack_op(tid, 3, cu_ctx, -1);
+	ctx_stack_op(tid, HAMI_CTXOP_DESTROY, cu_ctx, -1);
 	return 0;
 }
 
@@ -631,13 +631,13 @@ int uprobe__cuMemAllocPitch_v2(struct pt_regs *ctx)
 
 /* cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
  *             const CUmemAllocationProp *prop, unsigned long long flags):
- * the device is prop->location.id, at offset 12. */
+ * the device is prop->location.id. */
 int uprobe__cuMemCreate(struct pt_regs *ctx)
 {
 	__s32 dev = -1;
 	__u64 prop = PT_REGS_PARM3(ctx);
 	if (prop)
-		bpf_probe_read_user(&dev, sizeof(dev), (void *)(prop + 12));
+		bpf_probe_read_user(&dev, sizeof(dev), (void *)(prop + HAMI_MEMPROP_LOCATION_ID));
 	alloc_enter(ctx, HAMI_FN_CREATE, PT_REGS_PARM1(ctx), PT_REGS_PARM2(ctx), dev, 0, 0);
 	return 0;
 }
@@ -702,7 +702,7 @@ int uretprobe__nvml_handle_return(struct pt_regs *ctx)
 	struct hami_call call;
 	if (!take_call(tid, &call))
 		return 0;
-	if (call.fn != HAMI_FN_NVMLHANDLE || PT_REGS_RC(ctx) != 0)
+	if (call.fn != HAMI_FN_NVMLHANDLE || PT_REGS_RC(ctx) != HAMI_NVML_SUCCESS)
 		return 0;
 	__u64 handle = 0;
 	bpf_probe_read_user(&handle, sizeof(handle), (void *)call.out);
@@ -732,12 +732,12 @@ static __always_inline int nvml_mem_enter(struct pt_regs *ctx, __u64 version)
 
 int uprobe__nvmlDeviceGetMemoryInfo(struct pt_regs *ctx)
 {
-	return nvml_mem_enter(ctx, 1);
+	return nvml_mem_enter(ctx, HAMI_NVML_MEM_V1);
 }
 
 int uprobe__nvmlDeviceGetMemoryInfo_v2(struct pt_regs *ctx)
 {
-	return nvml_mem_enter(ctx, 2);
+	return nvml_mem_enter(ctx, HAMI_NVML_MEM_V2);
 }
 
 /*
@@ -752,7 +752,7 @@ int uretprobe__meminfo_return(struct pt_regs *ctx)
 	if (!take_call(tid, &call))
 		return 0;
 	if ((call.fn != HAMI_FN_MEMINFO && call.fn != HAMI_FN_TOTALMEM && call.fn != HAMI_FN_NVMLMEM) ||
-	    PT_REGS_RC(ctx) != 0)
+	    PT_REGS_RC(ctx) != HAMI_CUDA_SUCCESS)  /* HAMI_NVML_SUCCESS is the same 0 */
 		return 0;
 	struct hami_config *cfg = get_config();
 	if (!cfg || !(cfg->flags & HAMI_CFG_VIRT_MEMINFO) || call.group == HAMI_GROUP_NONE)
@@ -769,15 +769,16 @@ int uretprobe__meminfo_return(struct pt_regs *ctx)
 			used = gm->used;
 		__u64 free = used < total ? total - used : 0;
 		if (call.fn == HAMI_FN_NVMLMEM) {
-			/* v1 {total, free, used}; v2 {version, total, reserved, free, used} */
-			__u64 base = call.out + (call.aux == 2 ? 8 : 0);
-			__u64 fo = call.aux == 2 ? 16 : 8, uo = call.aux == 2 ? 24 : 16;
-			bpf_probe_read_user(&real_free, sizeof(real_free), (void *)(base + fo));
+			int v2 = call.aux == HAMI_NVML_MEM_V2;
+			__u64 total_at = call.out + (v2 ? HAMI_NVML_MEM_V2_TOTAL : HAMI_NVML_MEM_V1_TOTAL);
+			__u64 free_at = call.out + (v2 ? HAMI_NVML_MEM_V2_FREE : HAMI_NVML_MEM_V1_FREE);
+			__u64 used_at = call.out + (v2 ? HAMI_NVML_MEM_V2_USED : HAMI_NVML_MEM_V1_USED);
+			bpf_probe_read_user(&real_free, sizeof(real_free), (void *)free_at);
 			if (real_free < free)
 				free = real_free;
-			bpf_probe_write_user((void *)base, &total, sizeof(total));
-			bpf_probe_write_user((void *)(base + fo), &free, sizeof(free));
-			bpf_probe_write_user((void *)(base + uo), &used, sizeof(used));
+			bpf_probe_write_user((void *)total_at, &total, sizeof(total));
+			bpf_probe_write_user((void *)free_at, &free, sizeof(free));
+			bpf_probe_write_user((void *)used_at, &used, sizeof(used));
 		} else if (call.fn == HAMI_FN_MEMINFO) {
 			bpf_probe_read_user(&real_free, sizeof(real_free), (void *)call.out);
 			if (real_free < free)
@@ -959,7 +960,7 @@ int uretprobe__sync_return(struct pt_regs *ctx)
 		return 0;
 	struct hami_syncat a = *at;
 	sync_at.delete(&tid);
-	if (PT_REGS_RC(ctx) != 0)
+	if (PT_REGS_RC(ctx) != HAMI_CUDA_SUCCESS)
 		return 0;
 	struct hami_smuse *u = sm_use.lookup(&a.gk);
 	if (!u)

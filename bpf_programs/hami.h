@@ -24,10 +24,10 @@
 #define HAMI_EV_EXIT        6  /* a thread-group leader we know exited */
 #define HAMI_EV_MEMINFO     7  /* cuMemGetInfo_v2 returned; ptr = free*, aux = total*; the process is stopped when flags has HAMI_F_STOPPED */
 #define HAMI_EV_TOTALMEM    8  /* cuDeviceTotalMem_v2 returned; ptr = bytes*, stopped as above */
-#define HAMI_EV_CTX         9  /* a context was bound to a device (informational) */
 #define HAMI_EV_NVMLMEM    11  /* nvmlDeviceGetMemoryInfo[_v2] returned; ptr = nvmlMemory*, aux = struct version (1, 2); stopped as MEMINFO */
 #define HAMI_EV_THROTTLE   10  /* a launch found its group's SM budget spent: the process is stopped (flags) */
 #define HAMI_EV_EXEC       12  /* a process we know replaced its image (execve): the old image's bytes went back to its group */
+/* 9 is unused (it once named an event nothing sent): leave it unassigned. */
 
 /* Allocation kinds: a device pointer and a cuMemCreate handle are different
  * name spaces in one process. */
@@ -44,8 +44,26 @@
 #define HAMI_SIGKILL 9
 #define HAMI_SIGSTOP 19
 
-/* CUDA driver results the probes return in a refused call's place. */
+/* CUDA driver and NVML results: success is checked before a return is
+ * trusted; out-of-memory is what a refused call returns in its place. */
+#define HAMI_CUDA_SUCCESS             0
+#define HAMI_NVML_SUCCESS             0
 #define HAMI_CUDA_ERROR_OUT_OF_MEMORY 2
+
+/* Byte offset of CUmemAllocationProp.location.id (the device of a cuMemCreate). */
+#define HAMI_MEMPROP_LOCATION_ID 12
+
+/* nvmlMemory_t {total, free, used} and nvmlMemory_v2_t {version (padded to
+ * 8), total, reserved, free, used}: the struct version (HAMI_EV_NVMLMEM's
+ * aux) and the byte offsets of the fields rewritten. */
+#define HAMI_NVML_MEM_V1        1
+#define HAMI_NVML_MEM_V2        2
+#define HAMI_NVML_MEM_V1_TOTAL  0
+#define HAMI_NVML_MEM_V1_FREE   8
+#define HAMI_NVML_MEM_V1_USED  16
+#define HAMI_NVML_MEM_V2_TOTAL  8
+#define HAMI_NVML_MEM_V2_FREE  24
+#define HAMI_NVML_MEM_V2_USED  32
 
 /* return-oom resumes a refused call at a `ret` byte of the probed function's
  * own code (x86-64 opcode), found within this many bytes of its entry, read
@@ -69,6 +87,11 @@
 #define HAMI_GROUP_NONE 0xffffffffu
 #define HAMI_UNLIMITED  0xffffffffffffffffULL
 #define HAMI_CTX_DEPTH  8
+/* Operations on a thread's context stack (cuCtxSetCurrent, push, pop, destroy). */
+#define HAMI_CTXOP_SET     0 /* replace the top; NULL pops */
+#define HAMI_CTXOP_PUSH    1
+#define HAMI_CTXOP_POP     2
+#define HAMI_CTXOP_DESTROY 3 /* pop if the destroyed context is the top */
 /* Learning checkpoints (hami_smgrant.checkpoint): at most one per group and
  * device this often, so that a loop synchronizing at every step is not
  * slowed while its pace is measured. */

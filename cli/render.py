@@ -325,7 +325,8 @@ def render_group_panel(g: GroupInfo, members: Sequence[ProcessInfo], view: TopVi
                  box=box.ROUNDED, padding=(0, 1))
 
 
-_COUNTER_ORDER = ("events", "denials", "compactions", "ringbuf_drops", "throttle_stops",
+# Names from hami_bpf.counters (tests check each one is produced somewhere).
+_COUNTER_ORDER = ("events", "denials", "compactions", "ringbuf_drops", "throttle_episodes",
                   "reaped", "handler_errors", "enforce_errors")
 
 

@@ -1,7 +1,8 @@
 """ctypes mirror of bpf_programs/hami.h, the ABI between BPF and Python.
 
 Mirrored once, here. tests/bpf/test_abi.py checks every size and offset against
-bcc's own view of the compiled structs, and every constant against the header.
+bcc's own view of the compiled structs; tests/unit/test_abi_constants.py checks
+every constant against the header.
 """
 from __future__ import annotations
 
@@ -35,7 +36,6 @@ EV_DENY = 5
 EV_EXIT = 6
 EV_MEMINFO = 7
 EV_TOTALMEM = 8
-EV_CTX = 9
 EV_THROTTLE = 10
 EV_NVMLMEM = 11
 EV_EXEC = 12
@@ -57,6 +57,23 @@ ACT_NONE_STALE = 4
 CFG_ENFORCE_MEM = 1 << 0
 CFG_VIRT_MEMINFO = 1 << 1
 CFG_GATE_INIT = 1 << 2
+
+SIGKILL = 9    # x86-64 numbers: what the probes pass to bpf_send_signal
+SIGSTOP = 19
+
+CUDA_SUCCESS = 0
+NVML_SUCCESS = 0
+CUDA_ERROR_OUT_OF_MEMORY = 2
+
+# nvmlMemory_t / nvmlMemory_v2_t: version (EV_NVMLMEM's aux) and byte offsets.
+NVML_MEM_V1 = 1
+NVML_MEM_V2 = 2
+NVML_MEM_V1_TOTAL = 0
+NVML_MEM_V1_FREE = 8
+NVML_MEM_V1_USED = 16
+NVML_MEM_V2_TOTAL = 8
+NVML_MEM_V2_FREE = 24
+NVML_MEM_V2_USED = 32
 
 GROUP_NONE = 0xFFFFFFFF
 UNLIMITED = 0xFFFFFFFFFFFFFFFF

@@ -2074,13 +2074,18 @@ class Daemon:
                 free = min(max(0, limit - used), real_free)
                 enforce.write_meminfo(pid, e.ptr, e.aux, free, limit)
             elif e.kind == abi.EV_NVMLMEM:
-                # nvmlMemory_t {total, free, used}; _v2 {version, total, reserved, free, used}
-                base = e.ptr + (8 if e.aux == 2 else 0)
-                free_at, used_at = (base + 16, base + 24) if e.aux == 2 else (base + 8, base + 16)
+                if e.aux == abi.NVML_MEM_V2:
+                    total_at, free_at, used_at = (e.ptr + abi.NVML_MEM_V2_TOTAL,
+                                                  e.ptr + abi.NVML_MEM_V2_FREE,
+                                                  e.ptr + abi.NVML_MEM_V2_USED)
+                else:
+                    total_at, free_at, used_at = (e.ptr + abi.NVML_MEM_V1_TOTAL,
+                                                  e.ptr + abi.NVML_MEM_V1_FREE,
+                                                  e.ptr + abi.NVML_MEM_V1_USED)
                 real_free = int.from_bytes(read_mem(pid, free_at, 8), "little")
                 free = min(max(0, limit - used), real_free)
                 write_mem(pid, used_at, min(used, limit).to_bytes(8, "little"))
-                enforce.write_meminfo(pid, free_at, base, free, limit)
+                enforce.write_meminfo(pid, free_at, total_at, free, limit)
             else:
                 enforce.write_meminfo(pid, 0, e.ptr, 0, limit)
             self.counters["meminfo_rewrites"] += 1

@@ -31,7 +31,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from hami_bpf import procfs, ptrace
+from hami_bpf import abi, procfs, ptrace
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ __all__ = [
     "CUDA_ERROR_OUT_OF_MEMORY",
 ]
 
-CUDA_ERROR_OUT_OF_MEMORY = 2
+CUDA_ERROR_OUT_OF_MEMORY = abi.CUDA_ERROR_OUT_OF_MEMORY
 DEFAULT_STATE_DIR = "/run/hami-bpf"
 STATE_FILE = "stopped.json"
 

@@ -91,7 +91,7 @@ def test_region_follows_the_group(daemon, fakecuda, regions):
 
         wait_for(lambda: check([t.pid, u.pid]), 10, what="region file matching ps --json")
         r = _read(path)
-        assert r.limits[0] == LIMIT or r.limits[0] > 0
+        assert r.limits[0] == LIMIT
         assert r.total(0) >= 8 * MiB
         st = os.lstat(path)
         assert stat.S_ISREG(st.st_mode) and st.st_uid == 0

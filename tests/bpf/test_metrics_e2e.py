@@ -4,7 +4,6 @@ processes. One daemon per module.
 """
 from __future__ import annotations
 
-import json
 import socket
 import urllib.request
 
@@ -146,7 +145,6 @@ def test_scrape_has_hami_device_and_hami_bpf_counters(mdaemon):
     assert kinds >= {"allocs_map_full", "procs_map_full"}, kinds
     text = mdaemon.scraper.text()
     assert "# TYPE hami_vgpu_memory_used_bytes gauge" in text
-    json.dumps(snap)  # the snapshot is plain JSON
 
 
 def test_exit_latency_histogram(mdaemon, fakecuda):
@@ -158,9 +156,7 @@ def test_exit_latency_histogram(mdaemon, fakecuda):
         a.mark_dead()
         converge(mdaemon, [a])
     counters = mdaemon.snapshot()["counters"]
-    if "exit_latency_count" not in counters:
-        pytest.skip("the daemon does not count exit_latency_* yet "
-                    "(hami_bpf.metrics.observe_exit_latency)")
+    assert counters.get("exit_latency_count", 0) >= 1, counters
     samples = mdaemon.scraper.samples()
     count = next(s.value for s in samples
                  if s.name == "hami_bpf_exit_compaction_latency_seconds_count")

@@ -576,7 +576,7 @@ def test_resume_all_and_resume_gone(tmp_path):
     finally:
         p.kill()
         p.wait()
-    assert enforce.resume(p.pid) is False or enforce.proc_state(p.pid) is None
+    assert enforce.resume(p.pid) is False
 
 
 # --------------------------------------------------------------------------

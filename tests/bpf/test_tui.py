@@ -276,8 +276,7 @@ def test_top_once_plain_frame(daemon, fakecuda):
 
 
 def test_top_shows_throttled(daemon, fakecuda):
-    """A process over its SM limit shows as throttled (needs SM limiting in
-    the daemon: skipped while the daemon reports no sm_limit)."""
+    """A process over its SM limit shows as throttled."""
     g = gname("tuit")
     with Tracked.spawn(fakecuda, g, env={"CUDA_DEVICE_SM_LIMIT": "10"}) as a:
         wait_registered(daemon, [a])
@@ -299,8 +298,7 @@ def test_top_shows_throttled(daemon, fakecuda):
                 grp = next((x for x in daemon.snapshot()["groups"] if x["id"] == g), None)
                 sm = grp and grp.get("sm_limit")
                 time.sleep(0.1)
-            if sm is None:
-                pytest.skip("this daemon does not report SM limits yet")
+            assert sm is not None, f"group {g} reports no SM limit"
             with Screen(daemon.socket) as s:
                 text = s.wait(lambda t: any(f" {a.pid} " in ln and "throttled" in ln
                                             for ln in t.splitlines()),

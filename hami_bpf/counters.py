@@ -1,0 +1,50 @@
+"""Names of the counters a snapshot can carry, in one place.
+
+A snapshot's counters come from three producers: the slot table
+(slots.STAT_NAMES), the BPF programs' stats map (abi.STAT_NAMES) and the
+daemon itself (DAEMON_COUNTERS below, plus the families named by prefix).
+Anything that displays or exports counters by name should use only names
+known here, so a renamed counter cannot silently vanish from a display.
+"""
+from __future__ import annotations
+
+from . import abi, slots
+
+# Counted by the daemon (daemon.py, self.counters).
+DAEMON_COUNTERS: tuple[str, ...] = (
+    "adopted_exited",
+    "adopted_processes",
+    "alloc_failures",
+    "classify_failures",
+    "compactions",
+    "denials",
+    "denials_paced",
+    "enforce_errors",
+    "enforce_refused",
+    "events",
+    "execs",
+    "handler_errors",
+    "holds_cut_short",
+    "launch_probes",          # set, not counted: probes attached on launch calls
+    "meminfo_rewrites",
+    "policy_reloads",
+    "reaped",
+    "slot_write_after_exit",
+    "sm_errors",
+    "sm_holds_at_sync",
+    "state_write_errors",
+    "throttle_episodes",      # SM-cap holds: a group stopped until its budget refills
+    "throttle_ms",
+    "usage_corrections",
+    "would_deny",
+)
+
+# Counter families whose suffix is a value (a reason, a mode, a bucket).
+DAEMON_COUNTER_PREFIXES: tuple[str, ...] = ("sm_corrections_", "sm_mode_", "exit_latency_")
+
+
+def known(name: str) -> bool:
+    """Whether some producer can emit a counter of this name."""
+    return (name in DAEMON_COUNTERS or name in slots.STAT_NAMES
+            or name in abi.STAT_NAMES.values()
+            or name.startswith(DAEMON_COUNTER_PREFIXES))

@@ -1,0 +1,53 @@
+"""hami_bpf/abi.py's constants against bpf_programs/hami.h's defines.
+
+Reads the header as text (no compiler needed). Every define is either
+mirrored in abi.py with the same value or listed as used only by the BPF
+programs, so a new name cannot be added to one side alone.
+"""
+import re
+import signal
+from pathlib import Path
+
+from hami_bpf import abi
+
+# This checkout's header (abi.bpf_dir() may resolve to an installed copy).
+HEADER = Path(__file__).resolve().parents[2] / "bpf_programs" / "hami.h"
+
+# Defines only the BPF programs use: not mirrored in abi.py.
+BPF_ONLY = {
+    "X86_RET", "RET_SCAN_CHUNK", "RET_SCAN_CHUNKS", "CHECKPOINT_NS", "MEMPROP_LOCATION_ID",
+    "CTXOP_SET", "CTXOP_PUSH", "CTXOP_POP", "CTXOP_DESTROY",
+    "FN_ALLOC", "FN_PITCH", "FN_CREATE", "FN_CTXRETAIN", "FN_CTXCREATE", "FN_MEMINFO",
+    "FN_TOTALMEM", "FN_CTXPOP", "FN_NVMLHANDLE", "FN_NVMLMEM",
+}
+
+
+def _defines() -> dict[str, int]:
+    text = HEADER.read_text()
+    found = dict(re.findall(r"#define HAMI_(\w+)\s+(\(?[0-9xXa-fA-FuUL <]+\)?)", text))
+
+    def value(expr: str) -> int:
+        return int(eval(re.sub(r"(?<=[0-9a-fA-F])[uUlL]+", "", expr)))  # noqa: S307 - our header
+
+    return {name: value(expr) for name, expr in found.items()}
+
+
+def test_constants_match_header():
+    defines = _defines()
+    mirrored = {n: v for n, v in defines.items() if n not in BPF_ONLY}
+    assert len(mirrored) >= 40
+    assert sorted(n for n in mirrored if not hasattr(abi, n)) == []
+    assert {n: getattr(abi, n) for n in mirrored} == mirrored
+
+
+def test_bpf_only_names_exist():
+    assert sorted(BPF_ONLY - set(_defines())) == []
+
+
+def test_event_kinds_are_distinct():
+    kinds = {n: v for n, v in vars(abi).items() if n.startswith("EV_")}
+    assert len(set(kinds.values())) == len(kinds)
+
+
+def test_signal_numbers_match_the_host():
+    assert (abi.SIGKILL, abi.SIGSTOP) == (signal.SIGKILL, signal.SIGSTOP)
