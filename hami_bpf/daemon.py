@@ -418,6 +418,7 @@ class Daemon:
         self._snap = Snapshot.empty()
         self._adopting = False
         self.heart: Heartbeat | None = None
+        self._shutting_down = False
         self.deny_pacer = DenyPacer()
         # Paced denials: (due, seq, event), processes stopped until answered.
         self._deferred: list[tuple[float, int, abi.Event]] = []
@@ -1173,14 +1174,15 @@ class Daemon:
         """Every exit path: nobody may be left stopped, every probe detached."""
         if self.heart is not None:
             self.heart.stop()
-        if self._deferred:
-            self._answer_deferred(math.inf)   # a paced denial is answered, never resumed as is
+        self._shutting_down = True        # denials are answered at once from here
         if self.probes:
             try:
                 self.probes.stop_heartbeat()   # the BPF side stops nobody from now on
                 self.probes.consume()          # resume what it stopped meanwhile
             except Exception as e:
                 log.warning("draining events at shutdown: %s", e)
+        if self._deferred:
+            self._answer_deferred(math.inf)   # a paced denial is answered, never resumed as is
         if self.stopped:
             for pid in self.stopped.resume_all():
                 log.info("resumed pid %d at shutdown", pid)
@@ -1995,7 +1997,7 @@ class Daemon:
             # answer (heartbeat.DenyPacer): its retries cost the loop little.
             # Its later denials join the queue behind it, so they are answered
             # one after the other.
-            delay = self.deny_pacer.delay(pid, now)
+            delay = 0.0 if self._shutting_down else self.deny_pacer.delay(pid, now)
             if delay > 0 or pid in self._deferred_pids:
                 due = max(now + delay, self._deferred_pids.get(pid, 0.0))
                 self._deferred_pids[pid] = due

@@ -18,7 +18,7 @@ import pytest
 
 from hami_bpf.heartbeat import DENY_BACKOFF_MAX_S
 from helpers import (DEADLINES, Daemon, Tracked, converge, finish_daemon, gname, remove_pin_dir,
-                     stopped_pids, write_policy)
+                     stopped_pids, wait_for, write_policy)
 
 pytestmark = pytest.mark.bpf
 
@@ -213,3 +213,26 @@ def test_no_process_is_left_stopped_after_restarts(fakecuda, policy, workdir):
     finally:
         if d2 is not None:
             finish_daemon(d2)
+
+
+def test_paced_denials_are_answered_at_shutdown(fakecuda, policy, workdir):
+    """A daemon stopped while a retry storm waits for its answers answers the
+    waiting ones and leaves nothing stopped: every call returns (those after
+    the daemon is gone run unprobed)."""
+    d = Daemon(fakecuda, policy=policy, workdir=workdir).start()
+    a = Tracked.spawn(fakecuda, gname("keep"))
+    try:
+        a.alloc(f"alloc {LIMIT}", 0)
+        converge(d, [a])
+        for _ in range(30):
+            a.proc.send("alloc 1M")
+        wait_for(lambda: None if d.snapshot()["counters"].get("denials_paced", 0)
+                 else "no denial paced yet", 30, what="a paced denial", deadlines=d.deadlines)
+        finish_daemon(d)       # asserts exit 0 and no process left stopped
+        rcs = [int(a.proc.reply(timeout=30)["rc"]) for _ in range(30)]
+        assert set(rcs) <= {0, OOM} and OOM in rcs
+    finally:
+        if d.proc and d.proc.poll() is None:
+            d.stop()
+        a.mark_dead()
+        a.close()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import (Daemon, Tracked, converge, finish_daemon, gname, wait_for, wait_registered,
+from helpers import (Daemon, Tracked, converge, finish_daemon, gname, wait_registered,
                      write_policy)
 
 pytestmark = pytest.mark.bpf
@@ -84,28 +84,3 @@ def test_a_retry_storm_over_the_limit_admits_nothing(daemon, fakecuda):
         assert after.get("stale_heartbeat_skips", 0) == before.get("stale_heartbeat_skips", 0)
         # past a few a second, the answers were paced
         assert after.get("denials_paced", 0) > before.get("denials_paced", 0)
-
-
-def test_paced_denials_are_answered_at_shutdown(fakecuda, tmp_path):
-    """A daemon stopped while a retry storm waits for its answers answers the
-    waiting ones and leaves nothing stopped: every call returns (those after
-    the daemon is gone run unprobed)."""
-    policy = write_policy(tmp_path / "policy.toml",
-                          f'[[group]]\nmatch = "storm*"\nmemory = {LIMIT}\n')
-    d = Daemon(fakecuda, policy=policy).start()
-    a = Tracked.spawn(fakecuda, gname("storm"))
-    try:
-        a.alloc(f"alloc {LIMIT}", 0)
-        converge(d, [a])
-        for _ in range(30):
-            a.proc.send("alloc 1M")
-        wait_for(lambda: None if d.snapshot()["counters"].get("denials_paced", 0)
-                 else "no denial paced yet", 30, what="a paced denial", deadlines=d.deadlines)
-        finish_daemon(d)       # asserts exit 0 and no process left stopped
-        rcs = [int(a.proc.reply(timeout=30)["rc"]) for _ in range(30)]
-        assert set(rcs) <= {0, OOM} and OOM in rcs
-    finally:
-        if d.proc and d.proc.poll() is None:
-            d.stop()
-        a.mark_dead()
-        a.close()
