@@ -578,6 +578,8 @@ class Daemon:
                                         max_procs=MAX_PROCS, pin_dir=pin)
         except probes.ProbeError as e:
             raise DaemonError(str(e)) from None
+        if cfg.pin_dir:
+            self._wait_for_predecessor()   # compiling took that long off the wait
         flags = abi.CFG_ENFORCE_MEM
         if self.mechanisms["meminfo"] != "off":
             flags |= abi.CFG_VIRT_MEMINFO
@@ -678,17 +680,6 @@ class Daemon:
         if not cfg.pin_dir:
             self.mechanisms["state"] = "in this process only (--no-keep-state)"
             return None
-        left = kept.wait_for_predecessor(cfg.state_dir,
-                                         said=lambda m: self.record("state", m))
-        if left:
-            raise DaemonError(f"the previous daemon (pid {', '.join(map(str, left))}) still has its "
-                              f"probes attached after {kept.PREDECESSOR_WAIT_S:.0f} s: adopting its "
-                              "maps beside them would count every call twice")
-        try:
-            kept.write_owner(cfg.state_dir)
-        except OSError as e:
-            self._state_write_failed(f"recording this daemon in {cfg.state_dir}: {e.strerror}",
-                                     e.errno)
         fp = probes.layout_fingerprint(MAX_PROCS)
         try:
             path, self._adopting = probes.prepare_pin_dir(cfg.pin_dir, fp, cfg.fresh)
@@ -704,6 +695,22 @@ class Daemon:
             self.record("state", f"--fresh: kept state under {cfg.pin_dir} discarded",
                         pin_dir=cfg.pin_dir)
         return path
+
+    def _wait_for_predecessor(self) -> None:
+        """The previous daemon's probes must be gone before ours attach and
+        before its maps are read: both would count every call otherwise."""
+        cfg = self.cfg
+        left = kept.wait_for_predecessor(cfg.state_dir,
+                                         said=lambda m: self.record("state", m))
+        if left:
+            raise DaemonError(f"the previous daemon (pid {', '.join(map(str, left))}) still has its "
+                              f"probes attached after {kept.PREDECESSOR_WAIT_S:.0f} s: adopting its "
+                              "maps beside them would count every call twice")
+        try:
+            kept.write_owner(cfg.state_dir)
+        except OSError as e:
+            self._state_write_failed(f"recording this daemon in {cfg.state_dir}: {e.strerror}",
+                                     e.errno)
 
     def _adopt(self) -> None:
         """Take over the maps a previous daemon kept: what exited while no
