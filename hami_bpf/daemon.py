@@ -311,11 +311,8 @@ def choose_mechanisms(feats, oom_action: str = "auto") -> tuple[str, str]:
     """(OOM action, memory-info mechanism): the best the kernel's features allow."""
     want = oom_action
     if want == "auto":
-        # stop-rewrite first: return-oom (kernels that allow uprobe register
-        # writes) once let one racing allocation past a group's limit on a
-        # 7.3 kernel, unexplained; it stays available by name.
-        want = ("stop-rewrite" if feats.send_signal else
-                "return-oom" if feats.reg_write else "observe")
+        want = ("return-oom" if feats.reg_write else
+                "stop-rewrite" if feats.send_signal else "observe")
     meminfo = ("probe-write-user" if feats.probe_write_user else
                "stop-write" if feats.send_signal else "off")
     return want, meminfo
