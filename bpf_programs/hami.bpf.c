@@ -345,9 +345,15 @@ static __always_inline int alloc_enter(struct pt_regs *ctx, __u32 fn, __u64 out,
 					e->flags = act == HAMI_ACT_STOP_REWRITE ? HAMI_F_STOPPED : 0;
 					events.ringbuf_submit(e, 0);
 					if (refused) {
-						/* The return probe (if the call ever returns
-						 * through it) must not report an allocation. */
-						inflight.delete(&tid);
+						/* The reservation is back; the call stays in
+						 * flight, marked. Should it return success all
+						 * the same (a stop resumed by someone else
+						 * before its rewrite, a new ip the kernel did
+						 * not take), its return probe charges what it
+						 * allocated: over the limit, never unaccounted. */
+						call.flags |= HAMI_F_DENIED;
+						if (inflight.update(&tid, &call) != 0)
+							stat_inc(HAMI_STAT_INFLIGHT_FULL);
 						return 1;
 					}
 				}
@@ -379,6 +385,11 @@ static __always_inline int alloc_return(struct pt_regs *ctx)
 		return 0;
 
 	int rc = (int)PT_REGS_RC(ctx);
+	if (call.flags & HAMI_F_DENIED) {
+		if (rc != HAMI_CUDA_SUCCESS)
+			return 0;	/* the refusal took effect */
+		stat_inc(HAMI_STAT_DENY_IGNORED);
+	}
 	__u64 size = call.size;
 	__u64 ptr = 0;
 	if (rc == HAMI_CUDA_SUCCESS) {

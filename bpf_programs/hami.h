@@ -39,6 +39,7 @@
 #define HAMI_F_RESERVED   (1u << 1) /* the size was charged to a group by admission */
 #define HAMI_F_NOGROUP    (1u << 2) /* the process had no group yet: not admitted against a limit */
 #define HAMI_F_AT_SYNC    (1u << 3) /* HAMI_EV_THROTTLE: stopped at a synchronize's return (nothing queued) */
+#define HAMI_F_DENIED     (1u << 4) /* admission refused the call; an allocation event with it: it succeeded all the same */
 
 /* Signals the probes send (x86-64 numbers; bpf_send_signal takes a number). */
 #define HAMI_SIGKILL 9
@@ -108,7 +109,8 @@
 #define HAMI_STAT_CTX_FULL        7
 #define HAMI_STAT_THROTTLES       8 /* launches that found the budget spent */
 #define HAMI_STAT_RET_FALLBACKS   9 /* return-oom found no `ret` to resume at: stop-rewrite instead */
-#define HAMI_STAT_MAX             10
+#define HAMI_STAT_DENY_IGNORED   10 /* a refused allocation returned success: charged, over the limit */
+#define HAMI_STAT_MAX             11
 
 struct hami_event {
 	__u32 kind;

@@ -47,6 +47,7 @@ F_STOPPED = 1 << 0
 F_RESERVED = 1 << 1
 F_NOGROUP = 1 << 2
 F_AT_SYNC = 1 << 3
+F_DENIED = 1 << 4
 
 ACT_OBSERVE = 0
 ACT_STOP_REWRITE = 1
@@ -90,7 +91,8 @@ STAT_STALE_SKIPS = 6
 STAT_CTX_FULL = 7
 STAT_THROTTLES = 8
 STAT_RET_FALLBACKS = 9
-STAT_MAX = 10
+STAT_DENY_IGNORED = 10
+STAT_MAX = 11
 
 STAT_NAMES = {
     STAT_RB_DROPS: "ringbuf_drops",
@@ -103,6 +105,7 @@ STAT_NAMES = {
     STAT_CTX_FULL: "ctx_map_full",
     STAT_THROTTLES: "bpf_throttles",
     STAT_RET_FALLBACKS: "return_oom_fallbacks",
+    STAT_DENY_IGNORED: "denials_ignored",
 }
 
 ACTION_NAMES = {

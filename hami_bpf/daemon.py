@@ -457,7 +457,7 @@ class Daemon:
         with self._log_lock:
             self._seq += 1
             self.events_log.append(EventRecord(time.time(), kind, message, data, self._seq))
-        lvl = (logging.WARNING if kind in ("config", "error") else
+        lvl = (logging.WARNING if kind in ("config", "error", "deny_ignored") else
                logging.INFO if (self.simulated or kind in ("deny", "fallback", "recover")) else logging.DEBUG)
         log.log(lvl, "%s", message)
 
@@ -1258,6 +1258,12 @@ class Daemon:
             self.table.apply(MemoryAllocated(pid, e.device, e.size, ptr, e.ts_ns))
             if first_use and self.ctx_bytes:
                 self._sync_bpf_limit(before.group, e.device)
+            if e.flags & abi.F_DENIED:
+                self.record("deny_ignored", f"pid {pid}: a refused allocation of {e.size} bytes on "
+                            f"device {e.device} returned success (resumed before its answer, or "
+                            "the kernel did not take the refusal); charged to its group",
+                            pid=pid, group=before.group if before else None, device=e.device,
+                            size=e.size)
         elif e.kind == abi.EV_FREE:
             ptr = e.ptr | (HANDLE_BIT if e.alloc_kind == abi.KIND_HANDLE else 0)
             self.table.apply(MemoryFreed(pid, ptr, e.ts_ns))

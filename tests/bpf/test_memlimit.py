@@ -7,11 +7,14 @@ LIMIT), so the tests do not share budget.
 """
 from __future__ import annotations
 
+import os
+import signal
+import threading
 import uuid
 
 import pytest
 
-from helpers import (Daemon, Tracked, converge, finish_daemon, gname, wait_for, wait_registered,
+from helpers import (Daemon, query, Tracked, converge, finish_daemon, gname, wait_for, wait_registered,
                      write_policy)
 
 pytestmark = pytest.mark.bpf
@@ -134,6 +137,48 @@ def test_racing_processes_never_exceed_limit(daemon, fakecuda):
                 for aid in list(t.held):
                     t.free(aid)
             converge(daemon, procs)
+
+
+def test_a_refusal_cut_short_is_still_charged(daemon, fakecuda):
+    """A helper that resumes a process the moment it is stopped at a refused
+    allocation (stop-rewrite) lets the call run before the controller can
+    answer it. The allocation then exists: it must be charged to the
+    process and its group, and counted. (Where the refusal happens in the
+    kernel, return-oom, there is no stop to cut short and nothing gets by.)"""
+    with Tracked.spawn(fakecuda, gname("limC")) as t:
+        converge(daemon, [t])
+        t.alloc(f"alloc {LIMIT}", 0)
+        mech = daemon.snapshot()["mechanisms"]["oom"]
+        done = threading.Event()
+
+        def resume_forever():
+            while not done.is_set():
+                try:
+                    os.kill(t.pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    return
+
+        helper = threading.Thread(target=resume_forever, daemon=True)
+        helper.start()
+        try:
+            escaped = 0
+            for _ in range(20):
+                rc, aid = t.alloc(f"alloc {MiB}", 0, expect_rc=None)
+                assert rc in (0, OOM)
+                escaped += rc == 0
+        finally:
+            done.set()
+            helper.join()
+        snap = converge(daemon, [t])       # every granted byte is charged
+        assert int(_group(snap, t.pid)["devices"]["0"]["used_bytes"]) == LIMIT + escaped * MiB
+        assert int(snap["counters"].get("denials_ignored", 0)) >= escaped
+        if mech == "stop-rewrite":
+            assert escaped > 0, "the helper never got a refused call through: the test proves nothing"
+            kinds = [e for e in query(daemon.socket, "events", since=0)["events"] if e["kind"] == "deny_ignored"
+                     and e["data"].get("pid") == t.pid]
+            assert len(kinds) == escaped and all(e["data"]["size"] == MiB for e in kinds)
+        else:
+            assert escaped == 0
 
 
 def test_meminfo_reports_the_limit(daemon, fakecuda):
