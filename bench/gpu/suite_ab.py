@@ -25,6 +25,26 @@ import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+SOCKET = os.environ.get("AB_SOCKET", "/tmp/h.sock")
+
+
+def held_ms() -> float | None:
+    """The daemon's total SM-hold time so far (counter throttle_ms)."""
+    try:
+        from hami_bpf.server import query
+        return float(query(SOCKET, "snapshot", timeout=2)["counters"].get("throttle_ms", 0))
+    except Exception:  # noqa: BLE001 - a bench reading; missing is shown as null
+        return None
+
+
+def held_share(samples: list, start: float, end: float) -> float | None:
+    """Share of [start, end] the group spent held (from throttle_ms samples)."""
+    inside = [(t, v) for t, v in samples if start <= t <= end and v is not None]
+    if len(inside) < 2 or inside[-1][0] - inside[0][0] < 1.0:
+        return None
+    (t0, v0), (t1, v1) = inside[0], inside[-1]
+    return round((v1 - v0) / 1000 / (t1 - t0), 3)
 
 
 def write_policy(path: str, group: str, cap: int | None) -> None:
@@ -75,6 +95,8 @@ def run_one(a, w: str) -> list[dict]:
     q: queue.Queue = queue.Queue()
     threading.Thread(target=reader, args=(p, q), daemon=True).start()
     lines: list = []
+    samples: list = []
+    next_sample = 0.0
     edges: list[tuple[float, int | None]] = []
     deadline = time.monotonic() + a.setup_limit
     started = None
@@ -99,6 +121,9 @@ def run_one(a, w: str) -> list[dict]:
                             at += length
                         edges.append((at, "end"))
             now = time.monotonic()
+            if started is not None and now >= next_sample:
+                samples.append((now, held_ms()))
+                next_sample = now + 0.25
             if started is None and now > deadline:
                 print(json.dumps({"w": w, "error": "no timed loop before the set-up limit"}))
                 return []
@@ -139,7 +164,8 @@ def run_one(a, w: str) -> list[dict]:
         r = {"w": w, "cap": cap, "rate": rate and round(rate, 3), "ref_before": before and round(before, 3),
              "ref_after": after and round(after, 3), "pct": pct and round(pct, 1),
              "within5": pct is not None and abs(pct - cap) <= 5,
-             "first_s_pct": first and ref and round(100 * first / ref, 1), "series": series}
+             "first_s_pct": first and ref and round(100 * first / ref, 1),
+             "held": held_share(samples, s + a.settle, e), "series": series}
         print(json.dumps(r), flush=True)
         out.append(r)
     return out
@@ -168,11 +194,11 @@ def main() -> int:
         done_edges.clear()
         rows += run_one(a, w)
     print("\n| workload | cap | capped rate | own uncapped before / after | % of uncapped | within ±5 "
-          "| first 3 s |")
-    print("|---|---:|---:|---:|---:|:---:|---:|")
+          "| first 3 s | time held |")
+    print("|---|---:|---:|---:|---:|:---:|---:|---:|")
     for r in rows:
         print(f"| {r['w']} | {r['cap']} | {r['rate']} | {r['ref_before']} / {r['ref_after']} "
-              f"| {r['pct']} | {'yes' if r['within5'] else 'no'} | {r['first_s_pct']} |")
+              f"| {r['pct']} | {'yes' if r['within5'] else 'no'} | {r['first_s_pct']} | {r['held']} |")
     return 0
 
 
