@@ -16,6 +16,13 @@
 #include "hami.h"
 #include "maps.h"
 
+/* First statement of every uprobe program: keeps it off the private stack
+ * (maps.h, no_priv_stack). */
+static __always_inline void keep_off_private_stack(struct pt_regs *ctx)
+{
+	no_priv_stack.call(ctx, 0);
+}
+
 /* ---- helpers ----------------------------------------------------------- */
 /*
  * cuda.c: uprobes and uretprobes on libcuda's driver entry points.
@@ -501,6 +508,7 @@ static __always_inline int free_enter(struct pt_regs *ctx, __u32 kind, __u64 ptr
  */
 int uprobe__cuInit(struct pt_regs *ctx)
 {
+	keep_off_private_stack(ctx);
 	__u32 tgid = bpf_get_current_pid_tgid() >> 32;
 	get_proc(tgid);
 	struct hami_event *e = new_event(HAMI_EV_INIT);
@@ -531,24 +539,28 @@ static __always_inline int ctx_enter(__u32 fn, __u64 pctx, __s32 dev)
 /* cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) */
 int uprobe__cuDevicePrimaryCtxRetain(struct pt_regs *ctx)
 {
+	keep_off_private_stack(ctx);
 	return ctx_enter(HAMI_FN_CTXRETAIN, PT_REGS_PARM1(ctx), (__s32)PT_REGS_PARM2(ctx));
 }
 
 /* cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev) */
 int uprobe__cuCtxCreate_v2(struct pt_regs *ctx)
 {
+	keep_off_private_stack(ctx);
 	return ctx_enter(HAMI_FN_CTXCREATE, PT_REGS_PARM1(ctx), (__s32)PT_REGS_PARM3(ctx));
 }
 
 /* cuCtxCreate_v3(CUcontext *pctx, CUexecAffinityParam *p, int n, unsigned int flags, CUdevice dev) */
 int uprobe__cuCtxCreate_v3(struct pt_regs *ctx)
 {
+	keep_off_private_stack(ctx);
 	return ctx_enter(HAMI_FN_CTXCREATE, PT_REGS_PARM1(ctx), (__s32)PT_REGS_PARM5(ctx));
 }
 
 /* cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *p, unsigned int flags, CUdevice dev) */
 int uprobe__cuCtxCreate_v4(struct pt_regs *ctx)
 {
+	keep_off_private_stack(ctx);
 	return ctx_enter(HAMI_FN_CTXCREATE, PT_REGS_PARM1(ctx), (__s32)PT_REGS_PARM4(ctx));
 }
 
@@ -556,6 +568,7 @@ int uprobe__cuCtxCreate_v4(struct pt_regs *ctx)
  * creation also makes the context current. */
 int uretprobe__ctx_return(struct pt_regs *ctx)
 {
+	keep_off_private_stack(ctx);
 	__u64 id = bpf_get_current_pid_tgid();
 	__u32 tgid = id >> 32, tid = (__u32)id;
 	struct hami_call call;
@@ -579,6 +592,7 @@ int uretprobe__ctx_return(struct pt_regs *ctx)
 /* cuCtxSetCurrent(CUcontext ctx) */
 int uprobe__cuCtxSetCurrent(struct pt_regs *ctx)
 {
+	keep_off_private_stack(ctx);
 	__u64 id = bpf_get_current_pid_tgid();
 	__u32 tgid = id >> 32, tid = (__u32)id;
 	__u64 cu_ctx = PT_REGS_PARM1(ctx);
@@ -591,6 +605,7 @@ int uprobe__cuCtxSetCurrent(struct pt_regs *ctx)
 /* cuCtxPushCurrent_v2(CUcontext ctx) */
 int uprobe__cuCtxPushCurrent_v2(struct pt_regs *ctx)
 {
+	keep_off_private_stack(ctx);
 	__u64 id = bpf_get_current_pid_tgid();
 	__u32 tgid = id >> 32, tid = (__u32)id;
 	__u64 cu_ctx = PT_REGS_PARM1(ctx);
@@ -603,6 +618,7 @@ int uprobe__cuCtxPushCurrent_v2(struct pt_regs *ctx)
 /* cuCtxPopCurrent_v2(CUcontext *pctx) */
 int uprobe__cuCtxPopCurrent_v2(struct pt_regs *ctx)
 {
+	keep_off_private_stack(ctx);
 	__u32 tid = (__u32)bpf_get_current_pid_tgid();
 	ctx_stack_op(tid, HAMI_CTXOP_POP, 0, -1);
 	return 0;
@@ -611,6 +627,7 @@ int uprobe__cuCtxPopCurrent_v2(struct pt_regs *ctx)
 /* cuCtxDestroy_v2(CUcontext ctx) */
 int uprobe__cuCtxDestroy_v2(struct pt_regs *ctx)
 {
+	keep_off_private_stack(ctx);
 	__u64 id = bpf_get_current_pid_tgid();
 	__u32 tgid = id >> 32, tid = (__u32)id;
 	__u64 cu_ctx = PT_REGS_PARM1(ctx);
@@ -627,6 +644,7 @@ int uprobe__cuCtxDestroy_v2(struct pt_regs *ctx)
  * cuMemAllocFromPoolAsync[_ptsz]. */
 int uprobe__cuMemAlloc_v2(struct pt_regs *ctx)
 {
+	keep_off_private_stack(ctx);
 	alloc_enter(ctx, HAMI_FN_ALLOC, PT_REGS_PARM1(ctx), PT_REGS_PARM2(ctx), -1, 0, 0);
 	return 0;
 }
@@ -634,6 +652,7 @@ int uprobe__cuMemAlloc_v2(struct pt_regs *ctx)
 /* cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t width, size_t height, unsigned elem) */
 int uprobe__cuMemAllocPitch_v2(struct pt_regs *ctx)
 {
+	keep_off_private_stack(ctx);
 	__u64 width = PT_REGS_PARM3(ctx), height = PT_REGS_PARM4(ctx);
 	alloc_enter(ctx, HAMI_FN_PITCH, PT_REGS_PARM1(ctx), width * height, -1,
 		    PT_REGS_PARM2(ctx), height);
@@ -645,6 +664,7 @@ int uprobe__cuMemAllocPitch_v2(struct pt_regs *ctx)
  * the device is prop->location.id. */
 int uprobe__cuMemCreate(struct pt_regs *ctx)
 {
+	keep_off_private_stack(ctx);
 	__s32 dev = -1;
 	__u64 prop = PT_REGS_PARM3(ctx);
 	if (prop)
@@ -655,18 +675,21 @@ int uprobe__cuMemCreate(struct pt_regs *ctx)
 
 int uretprobe__alloc_return(struct pt_regs *ctx)
 {
+	keep_off_private_stack(ctx);
 	return alloc_return(ctx);
 }
 
 /* cuMemFree_v2(CUdeviceptr), cuMemFreeAsync[_ptsz](CUdeviceptr, CUstream) */
 int uprobe__cuMemFree_v2(struct pt_regs *ctx)
 {
+	keep_off_private_stack(ctx);
 	return free_enter(ctx, HAMI_KIND_PTR, PT_REGS_PARM1(ctx));
 }
 
 /* cuMemRelease(CUmemGenericAllocationHandle) */
 int uprobe__cuMemRelease(struct pt_regs *ctx)
 {
+	keep_off_private_stack(ctx);
 	return free_enter(ctx, HAMI_KIND_HANDLE, PT_REGS_PARM1(ctx));
 }
 
@@ -675,6 +698,7 @@ int uprobe__cuMemRelease(struct pt_regs *ctx)
 /* cuMemGetInfo_v2(size_t *free, size_t *total) */
 int uprobe__cuMemGetInfo_v2(struct pt_regs *ctx)
 {
+	keep_off_private_stack(ctx);
 	__u64 id = bpf_get_current_pid_tgid();
 	__u32 tgid = id >> 32, tid = (__u32)id;
 	struct hami_proc *p = get_proc(tgid);
@@ -689,6 +713,7 @@ int uprobe__cuMemGetInfo_v2(struct pt_regs *ctx)
 /* cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev) */
 int uprobe__cuDeviceTotalMem_v2(struct pt_regs *ctx)
 {
+	keep_off_private_stack(ctx);
 	__u64 id = bpf_get_current_pid_tgid();
 	__u32 tgid = id >> 32, tid = (__u32)id;
 	struct hami_proc *p = get_proc(tgid);
@@ -703,11 +728,13 @@ int uprobe__cuDeviceTotalMem_v2(struct pt_regs *ctx)
  * NVML's indices are physical (it ignores CUDA_VISIBLE_DEVICES). */
 int uprobe__nvmlDeviceGetHandleByIndex(struct pt_regs *ctx)
 {
+	keep_off_private_stack(ctx);
 	return ctx_enter(HAMI_FN_NVMLHANDLE, PT_REGS_PARM2(ctx), (__s32)PT_REGS_PARM1(ctx));
 }
 
 int uretprobe__nvml_handle_return(struct pt_regs *ctx)
 {
+	keep_off_private_stack(ctx);
 	__u64 id = bpf_get_current_pid_tgid();
 	__u32 tgid = id >> 32, tid = (__u32)id;
 	struct hami_call call;
@@ -743,11 +770,13 @@ static __always_inline int nvml_mem_enter(struct pt_regs *ctx, __u64 version)
 
 int uprobe__nvmlDeviceGetMemoryInfo(struct pt_regs *ctx)
 {
+	keep_off_private_stack(ctx);
 	return nvml_mem_enter(ctx, HAMI_NVML_MEM_V1);
 }
 
 int uprobe__nvmlDeviceGetMemoryInfo_v2(struct pt_regs *ctx)
 {
+	keep_off_private_stack(ctx);
 	return nvml_mem_enter(ctx, HAMI_NVML_MEM_V2);
 }
 
@@ -758,6 +787,7 @@ int uprobe__nvmlDeviceGetMemoryInfo_v2(struct pt_regs *ctx)
  */
 int uretprobe__meminfo_return(struct pt_regs *ctx)
 {
+	keep_off_private_stack(ctx);
 	__u32 tid = (__u32)bpf_get_current_pid_tgid();
 	struct hami_call call;
 	if (!take_call(tid, &call))
@@ -884,6 +914,7 @@ static __always_inline int launch_charge(struct pt_regs *ctx, __u64 cost)
  * leading arguments cuLaunchCooperativeKernel and the _ptsz twins. */
 int uprobe__cuLaunchKernel(struct pt_regs *ctx)
 {
+	keep_off_private_stack(ctx);
 	__u64 gx = (__u32)PT_REGS_PARM2(ctx), gy = (__u32)PT_REGS_PARM3(ctx),
 	      gz = (__u32)PT_REGS_PARM4(ctx);
 	return launch_charge(ctx, gx * gy * gz);
@@ -893,6 +924,7 @@ int uprobe__cuLaunchKernel(struct pt_regs *ctx)
  * is the config's first three unsigned ints, in user memory. */
 int uprobe__cuLaunchKernelEx(struct pt_regs *ctx)
 {
+	keep_off_private_stack(ctx);
 	__u32 grid[3] = {};
 	__u64 cfg = PT_REGS_PARM1(ctx);
 	if (cfg)
@@ -904,6 +936,7 @@ int uprobe__cuLaunchKernelEx(struct pt_regs *ctx)
  * the controller's learned cost per graph (config.graph_cost). */
 int uprobe__cuGraphLaunch(struct pt_regs *ctx)
 {
+	keep_off_private_stack(ctx);
 	struct hami_config *c = get_config();
 	return launch_charge(ctx, c && c->graph_cost ? c->graph_cost : 1);
 }
@@ -917,6 +950,7 @@ int uprobe__cuGraphLaunch(struct pt_regs *ctx)
  */
 int uprobe__sync_enter(struct pt_regs *ctx)
 {
+	keep_off_private_stack(ctx);
 	__u64 id = bpf_get_current_pid_tgid();
 	__u32 tgid = id >> 32, tid = (__u32)id;
 	struct hami_proc *p = procs.lookup(&tgid);
@@ -965,6 +999,7 @@ static __always_inline void hold_at_sync(struct hami_gkey *gk)
 
 int uretprobe__sync_return(struct pt_regs *ctx)
 {
+	keep_off_private_stack(ctx);
 	__u32 tid = (__u32)bpf_get_current_pid_tgid();
 	struct hami_syncat *at = sync_at.lookup(&tid);
 	if (!at)

@@ -116,6 +116,15 @@ BPF_HASH(sm_use, struct hami_gkey, struct hami_smuse, HAMI_MAX_GROUPS * 8);
  * Attached with the launch probes. */
 BPF_HASH(sync_at, __u32, struct hami_syncat, 16384);
 
+/* no_priv_stack: an empty program array, never written. Every uprobe program
+ * begins with a tail call into it, which misses and returns at once. From 6.13
+ * the kernel runs a kprobe-type program whose stack is 64 bytes or more on a
+ * per-CPU private stack, assuming it cannot be preempted; a uprobe program can
+ * be (uprobes run preemptible), and a second task on the same CPU then
+ * overwrites the first one's locals (wrong charges, or an oops). A program
+ * that makes a tail call never gets a private stack. */
+BPF_PROG_ARRAY(no_priv_stack, 1);
+
 /* config: one hami_config, written by the controller (heartbeat every tick). */
 BPF_ARRAY(config, struct hami_config, 1);
 

@@ -685,14 +685,22 @@ class Probes:
     def set_graph_cost(self, cost: int) -> None:
         self._set_config_fields(graph_cost=max(1, int(cost)))
 
+    def _delete_where(self, name: str, doomed: Callable[[object], bool]) -> int:
+        """Delete every key of map `name` for which doomed(key) holds; the
+        number deleted (a key gone meanwhile is not counted)."""
+        t = self.map[name]
+        n = 0
+        for k in [k for k in t.keys() if doomed(k)]:
+            try:
+                del t[k]
+                n += 1
+            except KeyError:
+                pass
+        return n
+
     def delete_group(self, group_index: int) -> None:
         for name in ("grp_lim", "grp_mem", "sm_grant", "sm_use"):
-            t = self.map[name]
-            for k in [k for k in t.keys() if k.group == group_index]:
-                try:
-                    del t[k]
-                except KeyError:
-                    pass
+            self._delete_where(name, lambda k: k.group == group_index)
 
     # the kept maps, for a daemon adopting them (hami_bpf.kept)
 
@@ -732,12 +740,7 @@ class Probes:
                 del self.map[name][key]
             except KeyError:
                 pass
-        t = self.map["pmem"]
-        for k in [k for k in t.keys() if k.tgid == pid]:
-            try:
-                del t[k]
-            except KeyError:
-                pass
+        self._delete_where("pmem", lambda k: k.tgid == pid)
 
     def give_back(self, tid: int, group_index: int | None, device: int, size: int) -> None:
         """An in-flight entry no return probe will see: its reservation back."""
@@ -764,15 +767,7 @@ class Probes:
 
     def forget_threads(self, alive: Callable[[int], bool]) -> int:
         """Context stacks of threads that exited while no daemon ran."""
-        t = self.map["cur_ctx"]
-        n = 0
-        for k in [k for k in t.keys() if not alive(k.value)]:
-            try:
-                del t[k]
-                n += 1
-            except KeyError:
-                pass
-        return n
+        return self._delete_where("cur_ctx", lambda k: not alive(k.value))
 
     def group_used(self, group_index: int, device: int) -> int:
         """Bytes charged to a group on a device, as admission sees them."""
@@ -829,17 +824,8 @@ class Probes:
                         n += 1
                 except KeyError:
                     pass
-        for name, get in (("allocs", lambda k: k.tgid), ("ctx_dev", lambda k: k.tgid),
-                          ("nvml_dev", lambda k: k.tgid),
-                          ("pmem", lambda k: k.tgid)):
-            t = self.map[name]
-            dead = [k for k in t.keys() if get(k) not in live]
-            for k in dead:
-                try:
-                    del t[k]
-                    n += 1
-                except KeyError:
-                    pass
+        for name in ("allocs", "ctx_dev", "nvml_dev", "pmem"):
+            n += self._delete_where(name, lambda k: k.tgid not in live)
         return n
 
     def close(self) -> None:

@@ -51,3 +51,18 @@ def test_event_kinds_are_distinct():
 
 def test_signal_numbers_match_the_host():
     assert (abi.SIGKILL, abi.SIGSTOP) == (signal.SIGKILL, signal.SIGSTOP)
+
+
+def test_every_uprobe_program_keeps_off_the_private_stack():
+    """A uprobe program runs preemptible; from 6.13 the kernel would give one
+    with 64 bytes of stack or more a per-CPU stack that another task on the
+    same CPU overwrites. The tail call each one begins with rules that out
+    (maps.h, no_priv_stack)."""
+    src = (HEADER.parent / "hami.bpf.c").read_text()
+    bodies = re.findall(r"^int (u(?:ret)?probe__\w+)\(struct pt_regs \*ctx\)\n\{\n(.*)\n", src, re.M)
+    assert len(bodies) >= 20
+    missing = [name for name, first in bodies if first.strip() != "keep_off_private_stack(ctx);"]
+    assert not missing
+    assert re.search(r"keep_off_private_stack\(struct pt_regs \*ctx\)\n\{\n\s*no_priv_stack\.call\(ctx, 0\);",
+                     src)
+    assert "BPF_PROG_ARRAY(no_priv_stack, 1);" in (HEADER.parent / "maps.h").read_text()
