@@ -74,8 +74,7 @@ def main() -> int:
     fake = build()
     sim = os.path.join("/dev/shm", f"hami-sim-{uuid.uuid4().hex[:8]}")
     res: dict = {}
-    os.environ["HAMI_BPF_SIM_GPU"] = sim     # the daemon reads utilization from it
-    d = Daemon(fake, extra=["--sm-limits"] + (["--no-sm-turns"] if a.no_turns else []) + (["-v"] if os.environ.get("HAMI_SIM_VERBOSE") else [])).start()
+    d = Daemon(fake, extra=["--sim-gpu", sim, "--sm-limits"] + (["--no-sm-turns"] if a.no_turns else []) + (["-v"] if os.environ.get("HAMI_SIM_VERBOSE") else [])).start()
     try:
         for kind in a.kinds.split(","):
             run_one(fake, sim, kind, f"base-{kind}-{uuid.uuid4().hex[:4]}", None, a.seconds,

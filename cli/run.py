@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from hami_bpf.config import (DEFAULT_PIN_DIR, DEFAULT_SM_TURN_MS, DEFAULT_SOCKET, DEFAULT_STATE_DIR, OOM_ACTIONS,
+from hami_bpf.config import (DEFAULT_FALLBACK_DEVICES, DEFAULT_FALLBACK_TOTAL_MEM, DEFAULT_PIN_DIR, DEFAULT_SM_TURN_MS, DEFAULT_SOCKET, DEFAULT_STATE_DIR, OOM_ACTIONS,
                              DaemonConfig, parse_group_by, parse_host_port)
 
 from .common import CliError
@@ -124,10 +124,19 @@ class UnixGroupType(click.ParamType):
               type=click.Path(file_okay=False),
               help="Publish one HAMi shared-region file per group under DIR, for HAMi's node "
                    "monitor (HAMi's is /usr/local/vgpu/containers) [default: off].")
+@click.option("--fallback-devices", type=click.IntRange(1, 64), default=DEFAULT_FALLBACK_DEVICES,
+              show_default=True, hidden=True,
+              help="Devices to assume where NVML does not answer (the stand-in libcuda).")
+@click.option("--fallback-total-mem", type=SizeType(), default=DEFAULT_FALLBACK_TOTAL_MEM,
+              hidden=True, help="Memory of each of those devices.")
+@click.option("--sim-gpu", "sim_gpu", default=None, metavar="PATH", hidden=True,
+              help="The stand-in libcuda's simulated GPU (its shared file), whose "
+                   "utilization stands for NVML's.")
 @click.option("-v", "--verbose", is_flag=True, help="Log debug details.")
 def run(libcuda, group_by, socket_path, count_launches, policy, env_limits, oom_action,
         metrics_addr, socket_group, demo, state_dir, pin_dir, keep_state, fresh, context_bytes,
-        sm_limits, sm_lend_idle, sm_turns, sm_turn_ms, sm_learn_alone, hami_regions, verbose):
+        sm_limits, sm_lend_idle, sm_turns, sm_turn_ms, sm_learn_alone, hami_regions,
+        fallback_devices, fallback_total_mem, sim_gpu, verbose):
     """Start the daemon: attach probes, keep the slot table, serve the socket."""
     if os.geteuid() != 0:
         raise CliError("run needs root (CAP_BPF, CAP_PERFMON)")
@@ -139,7 +148,8 @@ def run(libcuda, group_by, socket_path, count_launches, policy, env_limits, oom_
                        sm_lend_idle=sm_lend_idle, sm_turns=sm_turns,
                        sm_turn_ms=sm_turn_ms, sm_learn_alone=sm_learn_alone,
                        hami_regions=hami_regions, pin_dir=pin_dir if keep_state else None,
-                       fresh=fresh)
+                       fresh=fresh, fallback_devices=fallback_devices,
+                       fallback_total_mem=fallback_total_mem, sim_gpu=sim_gpu)
     # Imported here: the daemon pulls in bcc, which the other commands must not need.
     from hami_bpf import daemon
     try:

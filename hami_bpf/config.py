@@ -78,6 +78,12 @@ def parse_host_port(value: str, allow_zero: bool = False) -> tuple[str, int]:
     return host or "0.0.0.0", int(port)
 
 
+# Where NVML does not answer (the demo, the stand-in libcuda): the stand-in's
+# own defaults.
+DEFAULT_FALLBACK_DEVICES = 2
+DEFAULT_FALLBACK_TOTAL_MEM = 16 << 30
+
+
 @dataclass(frozen=True)
 class DaemonConfig:
     libcuda: tuple[str, ...] = ()        # explicit libcuda paths; () = discover
@@ -101,6 +107,9 @@ class DaemonConfig:
     sm_learn_alone: bool = True          # a group learns its rate with its device's capped groups held
     pin_dir: str | None = DEFAULT_PIN_DIR  # bpffs directory the accounting maps are kept in; None = not kept
     fresh: bool = False                  # discard kept state instead of adopting it
+    fallback_devices: int = DEFAULT_FALLBACK_DEVICES    # devices assumed where NVML does not answer
+    fallback_total_mem: int = DEFAULT_FALLBACK_TOTAL_MEM  # ... and each one's memory
+    sim_gpu: str | None = None           # the simulated GPU's file (stand-in libcuda): its utilization
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "libcuda", tuple(self.libcuda))

@@ -27,6 +27,7 @@ from .heartbeat import DenyPacer, Heartbeat
 from .ptrace import PtraceError, read_mem, write_mem
 from .actions import ClearSlot, Compacted, CreateGroup, DeleteGroup, ReleaseProcess, WriteSlot
 from .config import DaemonConfig, unsafe_chain
+from .devices import Devices, Fallback
 from .events import (GroupLimitSet, LaunchesCounted, MemoryAllocated, MemoryFreed, ProcessExited,
                      UsageObserved,
                      ProcessRegistered, ProcKey)
@@ -39,7 +40,7 @@ from .sm import duty, guard
 from .throttle import (BUSY_S, LEARN_ALONE_S, TURN_CALIBRATE_S, UNLIMITED, Budget,
                        Completions, Turn, completion_rate, correct_rate, gpu_bound, held_to_cap, learn_alone,
                        neighbours, next_edge, scale_rate, tick as budget_tick, turn_gains, turns)
-from .snapshot import (SCHEMA_VERSION, DeviceInfo, DeviceUsage, EventRecord, GroupInfo, ProcessInfo,
+from .snapshot import (SCHEMA_VERSION, DeviceUsage, EventRecord, GroupInfo, ProcessInfo,
                        SlotInfo, Snapshot)
 
 log = logging.getLogger("hami_bpf")
@@ -207,102 +208,6 @@ def find_libnvml(libcuda_path: Path) -> Path | None:
         if line.strip().startswith("libnvidia-ml.so.1 ") and "=>" in line:
             return Path(line.split("=>")[1].strip()).resolve()
     return None
-
-
-# --- devices --------------------------------------------------------------------
-
-@dataclass
-class Devices:
-    count: int
-    simulated: bool
-    uuid_to_index: dict[str, int] = field(default_factory=dict)
-    nvml: bool = False
-    sim: object | None = None     # fakecuda.sim.SimGpu: utilization of the simulated GPU
-    _no_proc_util: bool = False   # NVML refused per-process utilization once: not asked again
-
-    @classmethod
-    def discover(cls, simulated: bool) -> "Devices":
-        try:
-            import pynvml
-            pynvml.nvmlInit()
-            n = pynvml.nvmlDeviceGetCount()
-            uuids = {}
-            for i in range(n):
-                u = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(i))
-                uuids[u.decode() if isinstance(u, bytes) else u] = i
-            return cls(n, False, uuids, True)
-        except Exception as e:
-            log.info("NVML unavailable (%s): device count from FAKECUDA_DEVICES or 2", e)
-        n = int(os.environ.get("FAKECUDA_DEVICES", "2") or 2)
-        sim = None
-        if os.environ.get("HAMI_BPF_SIM_GPU"):
-            from .fakecuda.sim import SimGpu
-            sim = SimGpu(os.environ["HAMI_BPF_SIM_GPU"])
-        return cls(max(1, min(n, abi.MAX_DEVS)), simulated, sim=sim)
-
-    @property
-    def has_utilization(self) -> bool:
-        return self.nvml or self.sim is not None
-
-    def utilization(self) -> dict[int, float | None]:
-        """Device-level SM utilization, percent (NVML in the GPU VM lists no processes)."""
-        if self.sim is not None:
-            return self.sim.utilization(self.count)
-        import pynvml
-        out = {}
-        for i in range(self.count):
-            try:
-                out[i] = float(pynvml.nvmlDeviceGetUtilizationRates(
-                    pynvml.nvmlDeviceGetHandleByIndex(i)).gpu)
-            except Exception:
-                out[i] = None
-        return out
-
-    def process_utilization(self, dev: int) -> dict[int, float] | None:
-        """SM utilization per pid over the last second where NVML reports it
-        (bare-metal hosts); None where it does not (virtual machines: the
-        driver lists no processes)."""
-        if not self.nvml or self._no_proc_util:
-            return None
-        import pynvml
-        try:
-            h = pynvml.nvmlDeviceGetHandleByIndex(dev)
-            since = int((time.time() - 1.0) * 1e6)
-            samples = pynvml.nvmlDeviceGetProcessUtilization(h, since)
-        except Exception as e:
-            # NVML_ERROR_NOT_FOUND: no sample in the window (idle), not unsupported.
-            if getattr(e, "value", None) != getattr(pynvml, "NVML_ERROR_NOT_FOUND", -1):
-                self._no_proc_util = True
-                log.info("NVML per-process utilization unavailable (%s): device-level "
-                         "utilization is used", e)
-            return None
-        out: dict[int, float] = {}
-        for smp in samples:
-            out[int(smp.pid)] = max(out.get(int(smp.pid), 0.0), float(smp.smUtil))
-        return out
-
-    def infos(self) -> tuple[DeviceInfo, ...]:
-        if self.nvml:
-            import pynvml
-            out = []
-            for i in range(self.count):
-                try:
-                    h = pynvml.nvmlDeviceGetHandleByIndex(i)
-                    name = pynvml.nvmlDeviceGetName(h)
-                    mem = pynvml.nvmlDeviceGetMemoryInfo(h)
-                    try:
-                        util = float(pynvml.nvmlDeviceGetUtilizationRates(h).gpu)
-                    except Exception:
-                        util = None
-                    uuid = next((u for u, j in self.uuid_to_index.items() if j == i), None)
-                    out.append(DeviceInfo(i, name.decode() if isinstance(name, bytes) else name,
-                                          int(mem.total), int(mem.used), util, False, uuid=uuid))
-                except Exception:
-                    out.append(DeviceInfo(i, "N/A", None, None, None, False))
-            return tuple(out)
-        total = int(os.environ.get("FAKECUDA_TOTAL_MEM", str(16 << 30)))
-        return tuple(DeviceInfo(i, "simulated device", total if self.simulated else None, None, None,
-                                self.simulated) for i in range(self.count))
 
 
 # --- mechanisms -------------------------------------------------------------------
@@ -562,7 +467,8 @@ class Daemon:
         self._lock_libs()
         self._load_policy()
         reg_write, pwu = self._choose_mechanisms()
-        self.devices = Devices.discover(self.simulated)
+        self.devices = Devices.discover(self.simulated, Fallback(cfg.fallback_devices, cfg.fallback_total_mem,
+                                                                   cfg.sim_gpu))
         self.ctx_bytes = cfg.context_bytes if cfg.context_bytes is not None else (
             0 if self.simulated or not self.devices.nvml else DEFAULT_CONTEXT_BYTES)
         self.mechanisms["context_reserve"] = f"{self.ctx_bytes} bytes per process per device"

@@ -32,9 +32,7 @@ TOLERANCE = 10.0       # points
 @pytest.fixture()
 def sim(tmp_path):
     path = f"/dev/shm/hami-test-sim-{uuid.uuid4().hex[:8]}"
-    os.environ["HAMI_BPF_SIM_GPU"] = path       # the daemon reads utilization from it
     yield path
-    os.environ.pop("HAMI_BPF_SIM_GPU", None)
     try:
         os.unlink(path)
     except OSError:
@@ -81,7 +79,7 @@ def benches_together(procs: dict, seconds: int, settle_ms: int, join_s: float,
 
 def test_a_single_cap_holds_its_share_of_a_deep_queue(tmp_path, sim):
     fake = build(tmp_path / "lib")
-    d = Daemon(fake, extra=["--sm-limits"]).start()
+    d = Daemon(fake, extra=["--sim-gpu", sim, "--sm-limits"]).start()
     try:
         p = gpu_proc(fake, sim, gname("one"), sm=40)
         try:
@@ -95,7 +93,7 @@ def test_a_single_cap_holds_its_share_of_a_deep_queue(tmp_path, sim):
 
 def test_two_groups_30_70_each_get_their_share(tmp_path, sim):
     fake = build(tmp_path / "lib")
-    d = Daemon(fake, extra=["--sm-limits"]).start()
+    d = Daemon(fake, extra=["--sim-gpu", sim, "--sm-limits"]).start()
     try:
         procs = {cap: gpu_proc(fake, sim, gname(f"pair{cap}"), sm=cap)
                  for cap in (30, 70)}
@@ -119,7 +117,7 @@ def test_on_a_gpu_that_loses_work_when_shared_two_groups_take_turns(tmp_path, si
     # rates, and the turns raise them by what the GPU leaves idle.
     fake = build(tmp_path / "lib")
     # Side by side also with a longer period: the option reaches the turns.
-    d = Daemon(fake, extra=["--sm-limits"] + ([] if alone else ["--no-sm-learn-alone",
+    d = Daemon(fake, extra=["--sim-gpu", sim, "--sm-limits"] + ([] if alone else ["--no-sm-learn-alone",
                                                                 "--sm-turn-ms", "200"])).start()
     try:
         names = {cap: gname(f"turn{cap}") for cap in (30, 70)}
@@ -159,7 +157,7 @@ def test_on_a_gpu_that_loses_work_when_shared_two_groups_take_turns(tmp_path, si
 
 def test_lending_low_priority_runs_free_until_high_priority_is_busy(tmp_path, sim):
     fake = build(tmp_path / "lib")
-    d = Daemon(fake, extra=["--sm-limits", "--sm-lend-idle"]).start()
+    d = Daemon(fake, extra=["--sim-gpu", sim, "--sm-limits", "--sm-lend-idle"]).start()
     high_group, low_group = gname("high"), gname("low")
     high = gpu_proc(fake, sim, high_group, CUDA_TASK_PRIORITY="0")
     low = gpu_proc(fake, sim, low_group, sm=20, CUDA_TASK_PRIORITY="1")
@@ -196,7 +194,7 @@ def test_a_group_arriving_next_to_a_throttled_one_learns_the_whole_device(tmp_pa
     # 1.5 s later and learns while sharing the device. Once both have learned,
     # each holds its share (during the newcomer's learning the first is squeezed).
     fake = build(tmp_path / "lib")
-    d = Daemon(fake, extra=["--sm-limits"]).start()
+    d = Daemon(fake, extra=["--sim-gpu", sim, "--sm-limits"]).start()
     try:
         first = gpu_proc(fake, sim, gname("early30"), sm=30)
         late = gpu_proc(fake, sim, gname("late70"), sm=70)
@@ -239,7 +237,7 @@ def test_learning_applies_before_a_deep_queue_refills(tmp_path, sim):
     # next launch waits for the controller. Launched-not-done work when it
     # learned: a launch or two, not a queue (the sim queue holds 500).
     fake = build(tmp_path / "lib")
-    d = Daemon(fake, extra=["--sm-limits"]).start()
+    d = Daemon(fake, extra=["--sim-gpu", sim, "--sm-limits"]).start()
     try:
         p = gpu_proc(fake, sim, gname("deep"), sm=50)
         try:
@@ -263,7 +261,7 @@ def test_a_group_that_synchronizes_often_is_paced_by_time(tmp_path, sim, cap):
     # (100 - cap)% of its time: no price per block is learned, and the share
     # follows the cap whatever the kernels cost.
     fake = build(tmp_path / "lib")
-    d = Daemon(fake, extra=["--sm-limits"]).start()
+    d = Daemon(fake, extra=["--sim-gpu", sim, "--sm-limits"]).start()
     try:
         name = gname("steps")
         p = gpu_proc(fake, sim, name, sm=cap, FAKECUDA_QUEUE_NS="5000000")

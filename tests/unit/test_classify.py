@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from hami_bpf import abi, daemon as daemon_mod
 from hami_bpf.config import DaemonConfig
-from hami_bpf.daemon import Daemon, Devices, bounded_name, parse_environ
+from hami_bpf.daemon import Daemon, bounded_name, parse_environ
+from hami_bpf.devices import Devices
 from hami_bpf.limits import (MEM_ENV, SM_ENV, LimitError, effective_limits, load_policy,
                              parse_env_limits, parse_size, physical_to_visible,
                              visible_to_physical)

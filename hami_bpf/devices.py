@@ -1,0 +1,118 @@
+"""The node's GPUs as the daemon sees them: NVML where it answers, else a
+fallback the configuration describes (the stand-in libcuda's devices in the
+demo and the tests), with the simulated GPU's utilization where one runs."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from . import abi
+from .config import DEFAULT_FALLBACK_DEVICES, DEFAULT_FALLBACK_TOTAL_MEM
+from .snapshot import DeviceInfo
+
+log = logging.getLogger("hami_bpf")
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """What to assume where NVML does not answer."""
+    devices: int = DEFAULT_FALLBACK_DEVICES
+    total_mem: int = DEFAULT_FALLBACK_TOTAL_MEM
+    sim_gpu: str | None = None    # the simulated GPU's shared file (fakecuda.sim)
+
+
+@dataclass
+class Devices:
+    count: int
+    simulated: bool
+    uuid_to_index: dict[str, int] = field(default_factory=dict)
+    nvml: bool = False
+    sim: object | None = None     # fakecuda.sim.SimGpu: utilization of the simulated GPU
+    total_mem: int = DEFAULT_FALLBACK_TOTAL_MEM   # without NVML: each device's memory
+    _no_proc_util: bool = False   # NVML refused per-process utilization once: not asked again
+
+    @classmethod
+    def discover(cls, simulated: bool, fallback: Fallback = Fallback()) -> "Devices":
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+            n = pynvml.nvmlDeviceGetCount()
+            uuids = {}
+            for i in range(n):
+                u = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(i))
+                uuids[u.decode() if isinstance(u, bytes) else u] = i
+            return cls(n, False, uuids, True)
+        except Exception as e:
+            log.info("NVML unavailable (%s): %d devices of %d bytes assumed", e,
+                     fallback.devices, fallback.total_mem)
+        sim = None
+        if fallback.sim_gpu:
+            from .fakecuda.sim import SimGpu
+            sim = SimGpu(fallback.sim_gpu)
+        return cls(max(1, min(fallback.devices, abi.MAX_DEVS)), simulated, sim=sim,
+                   total_mem=fallback.total_mem)
+
+    @property
+    def has_utilization(self) -> bool:
+        return self.nvml or self.sim is not None
+
+    def utilization(self) -> dict[int, float | None]:
+        """Device-level SM utilization, percent (NVML in the GPU VM lists no processes)."""
+        if self.sim is not None:
+            return self.sim.utilization(self.count)
+        import pynvml
+        out = {}
+        for i in range(self.count):
+            try:
+                out[i] = float(pynvml.nvmlDeviceGetUtilizationRates(
+                    pynvml.nvmlDeviceGetHandleByIndex(i)).gpu)
+            except Exception:
+                out[i] = None
+        return out
+
+    def process_utilization(self, dev: int) -> dict[int, float] | None:
+        """SM utilization per pid over the last second where NVML reports it
+        (bare-metal hosts); None where it does not (virtual machines: the
+        driver lists no processes)."""
+        if not self.nvml or self._no_proc_util:
+            return None
+        import pynvml
+        try:
+            h = pynvml.nvmlDeviceGetHandleByIndex(dev)
+            since = int((time.time() - 1.0) * 1e6)
+            samples = pynvml.nvmlDeviceGetProcessUtilization(h, since)
+        except Exception as e:
+            # NVML_ERROR_NOT_FOUND: no sample in the window (idle), not unsupported.
+            if getattr(e, "value", None) != getattr(pynvml, "NVML_ERROR_NOT_FOUND", -1):
+                self._no_proc_util = True
+                log.info("NVML per-process utilization unavailable (%s): device-level "
+                         "utilization is used", e)
+            return None
+        out: dict[int, float] = {}
+        for smp in samples:
+            out[int(smp.pid)] = max(out.get(int(smp.pid), 0.0), float(smp.smUtil))
+        return out
+
+    def infos(self) -> tuple[DeviceInfo, ...]:
+        if self.nvml:
+            import pynvml
+            out = []
+            for i in range(self.count):
+                try:
+                    h = pynvml.nvmlDeviceGetHandleByIndex(i)
+                    name = pynvml.nvmlDeviceGetName(h)
+                    mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+                    try:
+                        util = float(pynvml.nvmlDeviceGetUtilizationRates(h).gpu)
+                    except Exception:
+                        util = None
+                    uuid = next((u for u, j in self.uuid_to_index.items() if j == i), None)
+                    out.append(DeviceInfo(i, name.decode() if isinstance(name, bytes) else name,
+                                          int(mem.total), int(mem.used), util, False, uuid=uuid))
+                except Exception:
+                    out.append(DeviceInfo(i, "N/A", None, None, None, False))
+            return tuple(out)
+        return tuple(DeviceInfo(i, "simulated device", self.total_mem if self.simulated else None,
+                                None, None,
+                                self.simulated) for i in range(self.count))
