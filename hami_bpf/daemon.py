@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import collections
 import errno
-import heapq
 import logging
 import math
 import os
@@ -23,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import abi, containers, enforce, kept, procfs
-from .heartbeat import DenyPacer, Heartbeat
-from .ptrace import PtraceError, read_mem, write_mem
+from .heartbeat import Heartbeat
+from .memory import MemoryEnforcer, Place
 from .actions import ClearSlot, Compacted, CreateGroup, DeleteGroup, ReleaseProcess, WriteSlot
 from .config import DaemonConfig, unsafe_chain
 from .devices import Devices, Fallback
@@ -266,7 +265,6 @@ class Daemon:
         self.cfg = cfg
         self.table = SlotTable()
         self.info: dict[int, ProcInfo] = {}
-        self.denied: collections.Counter[int] = collections.Counter()
         # SM limiting: caps per group and physical device (percent), budgets per
         # (group index, device), and the pids we hold stopped per throttled group.
         self.sm_caps: dict[str, dict[int, int]] = {}
@@ -323,12 +321,11 @@ class Daemon:
         self._snap = Snapshot.empty()
         self._adopting = False
         self.heart: Heartbeat | None = None
-        self._shutting_down = False
-        self.deny_pacer = DenyPacer()
-        # Paced denials: (due, seq, event), processes stopped until answered.
-        self._deferred: list[tuple[float, int, abi.Event]] = []
-        self._deferred_pids: dict[int, float] = {}   # pid -> due of its last paced denial
-        self._deferred_seq = 0
+        self.memory = MemoryEnforcer(place=self._place,
+                                     group_used=lambda gi, dev: self.probes.group_used(gi, dev),
+                                     context_reserve=self._context_reserve,
+                                     stopped=lambda: self.stopped,
+                                     record=self.record, counters=self.counters)
         self._mismatch: dict[int, dict[int, int]] = {}   # pid -> kernel usage that disagreed
         self._dirty = True
         self.probes = None
@@ -938,8 +935,7 @@ class Daemon:
             if now - last_reap >= REAP_EVERY_S:
                 self._reap()
                 last_reap = now
-            if self._deferred:
-                self._answer_deferred(now)
+            self.memory.answer_due(now)
             if now - last_reconcile >= RECONCILE_EVERY_S:
                 self._reconcile()
                 last_reconcile = now
@@ -979,8 +975,9 @@ class Daemon:
                     error=type(e).__name__)
 
     def _poll_ms(self) -> int:
-        if self._deferred:
-            due = self._deferred[0][0] - time.monotonic()
+        due_at = self.memory.next_due()
+        if due_at is not None:
+            due = due_at - time.monotonic()
             return max(1, min(POLL_MS, math.ceil(due * 1000)))
         if not self.sm_caps:
             return POLL_MS
@@ -1087,15 +1084,13 @@ class Daemon:
         """Every exit path: nobody may be left stopped, every probe detached."""
         if self.heart is not None:
             self.heart.stop()
-        self._shutting_down = True        # denials are answered at once from here
         if self.probes:
             try:
                 self.probes.stop_heartbeat()   # the BPF side stops nobody from now on
                 self.probes.consume()          # resume what it stopped meanwhile
             except Exception as e:
                 log.warning("draining events at shutdown: %s", e)
-        if self._deferred:
-            self._answer_deferred(math.inf)   # a paced denial is answered, never resumed as is
+        self.memory.drain()               # paced denials answered, later ones at once
         if self.stopped:
             for pid in self.stopped.resume_all():
                 log.info("resumed pid %d at shutdown", pid)
@@ -1176,9 +1171,9 @@ class Daemon:
         elif e.kind == abi.EV_ALLOC_FAIL:
             self.counters["alloc_failures"] += 1
         elif e.kind == abi.EV_DENY:
-            self._deny(e)
+            self.memory.deny(e)
         elif e.kind in (abi.EV_MEMINFO, abi.EV_TOTALMEM, abi.EV_NVMLMEM):
-            self._meminfo(e)
+            self.memory.meminfo(e)
         elif e.kind == abi.EV_THROTTLE:
             self._throttle(e)
 
@@ -1869,8 +1864,7 @@ class Daemon:
                     self.stopped.remove(a.key.pid)
                 if self.ctx_bytes:
                     self._after_release.append((a.group, tuple(a.released)))
-                self.denied.pop(a.key.pid, None)
-                self.deny_pacer.forget(a.key.pid)
+                self.memory.forget(a.key.pid)
                 if enforce.proc_start_time(a.key.pid) != a.key.start_time:
                     self.probes.delete_proc_cfg(a.key.pid)
             elif isinstance(a, DeleteGroup):
@@ -1904,119 +1898,12 @@ class Daemon:
 
     # -- enforcement -------------------------------------------------------------
 
-    def _deny(self, e: abi.Event) -> None:
-        pid, act = e.tgid, e.aux
-        what, group, limit = self._deny_what(e)
-        self.counters["denials"] += 1
-        if act != abi.ACT_OBSERVE and act != abi.ACT_NONE_STALE:
-            self.denied[pid] += 1
-        if act == abi.ACT_STOP_REWRITE:
-            now = time.monotonic()
-            # A process that retries over its limit waits, stopped, before its
-            # answer (heartbeat.DenyPacer): its retries cost the loop little.
-            # Its later denials join the queue behind it, so they are answered
-            # one after the other.
-            delay = 0.0 if self._shutting_down else self.deny_pacer.delay(pid, now)
-            if delay > 0 or pid in self._deferred_pids:
-                due = max(now + delay, self._deferred_pids.get(pid, 0.0))
-                self._deferred_pids[pid] = due
-                heapq.heappush(self._deferred, (due, self._deferred_seq, e))
-                self._deferred_seq += 1
-                self.counters["denials_paced"] += 1
-                return
-            self._answer_denial(e, what, group, limit)
-        elif act == abi.ACT_KILL:
-            self.record("deny", f"{what}: killed (SIGKILL)", pid=pid, group=group, device=e.device,
-                        size=e.size, limit=limit, action="kill")
-        elif act == abi.ACT_RETURN_OOM:
-            self.record("deny", f"{what}: returned CUDA_ERROR_OUT_OF_MEMORY in the kernel", pid=pid,
-                        group=group, device=e.device, size=e.size, limit=limit, action="return-oom")
-        else:
-            self.counters["would_deny"] += 1
-            why = "controller stale" if act == abi.ACT_NONE_STALE else "observe only"
-            self.record("deny", f"{what}: allowed ({why})", pid=pid, group=group, device=e.device,
-                        size=e.size, limit=limit, action=abi.ACTION_NAMES.get(act, str(act)))
-
-    def _deny_what(self, e: abi.Event) -> tuple[str, str, int | None]:
-        view = self.table.process(e.tgid)
-        group = view.group if view else "?"
-        limit = self.table.limits(group).get(e.device) if view else None
-        return (f"denied pid {e.tgid} group {group!r} device {e.device}: request {e.size} bytes "
-                f"over limit {limit} bytes"), group, limit
-
-    def _answer_denial(self, e: abi.Event, what: str, group: str, limit: int | None) -> None:
-        """Make a call the probe stopped return CUDA_ERROR_OUT_OF_MEMORY."""
-        pid = e.tgid
-        try:
-            took = enforce.fail_call(pid, e.tid, e.ptr, stopped=self.stopped)
-            self.record("deny", f"{what}: returned CUDA_ERROR_OUT_OF_MEMORY "
-                        f"({took * 1e3:.2f} ms)", pid=pid, group=group, device=e.device,
-                        size=e.size, limit=limit, action="stop-rewrite")
-        except enforce.EnforceRefused as err:
-            self.counters["enforce_refused"] += 1
-            self.record("fallback", f"{what}: stop-rewrite refused ({err.reason}); call let "
-                        "through", pid=pid, action="let-through")
-        except enforce.EnforceError as err:
-            self.counters["enforce_errors"] += 1
-            self.record("error", f"{what}: stop-rewrite failed: {err}", pid=pid)
-        except BaseException:
-            enforce.resume(pid)
-            raise
-        finally:
-            self.deny_pacer.answered(pid, time.monotonic())
-        # fail_call resumed the process on every path above. Never send a
-        # second SIGCONT: it could cancel the SIGSTOP of the process's next
-        # denial, letting that call through (seen on the H200).
-
-    def _answer_deferred(self, now: float) -> None:
-        """Answer the paced denials that are due (every one at shutdown: now=inf)."""
-        while self._deferred and self._deferred[0][0] <= now:
-            _, _, e = heapq.heappop(self._deferred)
-            what, group, limit = self._deny_what(e)
-            self._answer_denial(e, what + " (paced)", group, limit)
-            if not any(x[2].tgid == e.tgid for x in self._deferred):
-                self._deferred_pids.pop(e.tgid, None)
-
-    def _meminfo(self, e: abi.Event) -> None:
-        pid = e.tgid
+    def _place(self, pid: int, device: int) -> Place | None:
+        """Where `pid`'s memory on `device` is accounted (memory.MemoryEnforcer)."""
         view = self.table.process(pid)
-        try:
-            limit = self.table.limits(view.group).get(e.device) if view else None
-            if limit is None:
-                enforce.resume(pid)
-                return
-            # The kernel's charge, not the table's sum: exact even when an
-            # event was lost.
-            used = (self.probes.group_used(view.group_index, e.device)
-                    + self._context_reserve(view.group, e.device))
-            if e.kind == abi.EV_MEMINFO:
-                # Never report more free than the device really has.
-                real_free = int.from_bytes(read_mem(pid, e.ptr, 8), "little")
-                free = min(max(0, limit - used), real_free)
-                enforce.write_meminfo(pid, e.ptr, e.aux, free, limit)
-            elif e.kind == abi.EV_NVMLMEM:
-                if e.aux == abi.NVML_MEM_V2:
-                    total_at, free_at, used_at = (e.ptr + abi.NVML_MEM_V2_TOTAL,
-                                                  e.ptr + abi.NVML_MEM_V2_FREE,
-                                                  e.ptr + abi.NVML_MEM_V2_USED)
-                else:
-                    total_at, free_at, used_at = (e.ptr + abi.NVML_MEM_V1_TOTAL,
-                                                  e.ptr + abi.NVML_MEM_V1_FREE,
-                                                  e.ptr + abi.NVML_MEM_V1_USED)
-                real_free = int.from_bytes(read_mem(pid, free_at, 8), "little")
-                free = min(max(0, limit - used), real_free)
-                write_mem(pid, used_at, min(used, limit).to_bytes(8, "little"))
-                enforce.write_meminfo(pid, free_at, total_at, free, limit)
-            else:
-                enforce.write_meminfo(pid, 0, e.ptr, 0, limit)
-            self.counters["meminfo_rewrites"] += 1
-            return  # write_meminfo resumed it (once: see _deny)
-        except (enforce.EnforceError, PtraceError, OSError) as err:
-            self.record("error", f"rewriting memory info of pid {pid}: {err}", pid=pid)
-        except BaseException:
-            enforce.resume(pid)
-            raise
-        enforce.resume(pid)
+        if view is None:
+            return None
+        return Place(view.group, view.group_index, self.table.limits(view.group).get(device))
 
     # -- housekeeping -------------------------------------------------------------
 
@@ -2061,7 +1948,7 @@ class Daemon:
                 sm_share=self._group_share(p.group_index),
                 visible_devices={phys: vis for vis, phys in enumerate(info.phys[:self.devices.count])
                                  if phys != vis} if info else {},
-                denied=self.denied.get(p.key.pid, 0),
+                denied=self.memory.denied(p.key.pid),
                 ns_pid=info.ns_pid if info else None,
                 labels=info.labels if info else {}))
         groups = []
