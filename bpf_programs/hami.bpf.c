@@ -1056,6 +1056,7 @@ int tracepoint__sched__sched_process_exit(void *args)
 	}
 	cur_ctx.delete(&tid);
 	sync_at.delete(&tid);
+	opening.delete(&tid);
 
 	if (tid != tgid)
 		return 0;
@@ -1071,6 +1072,71 @@ int tracepoint__sched__sched_process_exit(void *args)
 	}
 	return 0;
 }
+
+#ifdef HAMI_HAVE_OPEN_GATE
+/*
+ * The open gate: a process that opens a file named like the driver library
+ * ("libcuda" anywhere in the path: a private copy, another path, a file it
+ * unlinks next) is stopped when the open returns, before it can map the file,
+ * until the controller has probes on that file (or knows it has). Applied
+ * only while the heartbeat is fresh. A failed open (the loader trying its
+ * search path) stops nobody.
+ */
+static __always_inline int names_libcuda(const char *s, long n)
+{
+	/* "libcuda" not followed by a letter: libcuda.so.1, libcuda-copy.so,
+	 * never the runtime's libcudart. */
+	for (int i = 0; i < HAMI_PATH_SCAN - HAMI_LIBNAME_LEN - 1; i++) {
+		if (i + HAMI_LIBNAME_LEN >= n)
+			return 0;
+		char next = s[i + HAMI_LIBNAME_LEN];
+		if (s[i] == 'l' && s[i + 1] == 'i' && s[i + 2] == 'b' && s[i + 3] == 'c' &&
+		    s[i + 4] == 'u' && s[i + 5] == 'd' && s[i + 6] == 'a' &&
+		    !(next >= 'a' && next <= 'z'))
+			return 1;
+	}
+	return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_enter_openat)
+{
+	struct hami_config *c = get_config();
+	if (!c || !(c->flags & HAMI_CFG_GATE_LIBS))
+		return 0;
+	char name[HAMI_PATH_SCAN];
+	long n = bpf_probe_read_user_str(name, sizeof(name), args->filename);
+	if (n <= 0 || !names_libcuda(name, n))
+		return 0;
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
+	__u64 at = (__u64)args->filename;
+	opening.update(&tid, &at);
+	return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_exit_openat)
+{
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
+	__u64 *at = opening.lookup(&tid);
+	if (!at)
+		return 0;
+	__u64 name = *at;
+	opening.delete(&tid);
+	struct hami_config *c = get_config();
+	if (args->ret < 0 || !controller_alive(c) ||
+	    (__u32)(bpf_get_current_pid_tgid() >> 32) == c->controller)
+		return 0;
+	/* The event first: a stop nobody hears of would never be resumed. */
+	struct hami_event *e = new_event(HAMI_EV_LIBOPEN);
+	if (!e)
+		return 0;
+	e->ptr = name;
+	e->aux = args->ret;
+	e->flags = HAMI_F_STOPPED;
+	bpf_send_signal(HAMI_SIGSTOP);
+	events.ringbuf_submit(e, 0);
+	return 0;
+}
+#endif
 
 /*
  * execve replaced a process image: the old image's CUDA memory died with it,

@@ -116,6 +116,11 @@ BPF_HASH(sm_use, struct hami_gkey, struct hami_smuse, HAMI_MAX_GROUPS * 8);
  * Attached with the launch probes. */
 BPF_HASH(sync_at, __u32, struct hami_syncat, 16384);
 
+/* opening: key __u32 tid -> __u64 user address of the path being opened,
+ * when it names the driver library. Written by the openat entry program,
+ * consumed by its exit (or the thread's exit). Only with the open gate. */
+BPF_HASH(opening, __u32, __u64, 4096);
+
 /* config: one hami_config, written by the controller (heartbeat every tick). */
 BPF_ARRAY(config, struct hami_config, 1);
 

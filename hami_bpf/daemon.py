@@ -417,6 +417,8 @@ class Daemon:
         self._reload_again = False        # SIGHUP while it read: read once more
         self._snap = Snapshot.empty()
         self._adopting = False
+        # Files named like the driver library that export no driver API.
+        self._not_driver: set[tuple[int, int]] = set()
         self.heart: Heartbeat | None = None
         self._shutting_down = False
         self.deny_pacer = DenyPacer()
@@ -574,8 +576,11 @@ class Daemon:
         self.stopped.on_error = self._state_write_failed
         pin = self._prepare_kept_state()
         try:
+            gate_missing = (probes.open_gate_missing() if self.features.send_signal else
+                            "this kernel refuses bpf_send_signal")
             self.probes = probes.Probes(reg_write=reg_write, probe_write_user=pwu,
-                                        max_procs=MAX_PROCS, pin_dir=pin)
+                                        max_procs=MAX_PROCS, pin_dir=pin,
+                                        open_gate=gate_missing is None)
         except probes.ProbeError as e:
             raise DaemonError(str(e)) from None
         if cfg.pin_dir:
@@ -590,6 +595,14 @@ class Daemon:
             self.mechanisms["admission"] = "gated at cuInit"
         else:
             self.mechanisms["admission"] = "from first classified call"
+        # A driver library a process opens (a private copy included) is
+        # probed before the process can map it.
+        if gate_missing is None:
+            flags |= abi.CFG_GATE_LIBS
+            self.mechanisms["private_libs"] = "held at open until probed"
+        else:
+            self.mechanisms["private_libs"] = (f"found by scanning /proc (about every second; "
+                                               f"{gate_missing})")
         self.probes.set_config(flags=flags, oom_action=self.oom_action, stale_ns=HEARTBEAT_STALE_NS)
         self.probes.set_graph_cost(GRAPH_COST)
         self.heart = Heartbeat(self.probes.heartbeat)
@@ -910,6 +923,35 @@ class Daemon:
                 if key in self.lib_fds and self.table.resolve(pid) is None:
                     self._register(pid, time.monotonic_ns(), existing=True)
                     self._dirty = True
+
+    def _lib_opened(self, e: abi.Event) -> None:
+        """The open gate stopped a process that opened a file named like the
+        driver library: probe that file (if it is a driver library nobody
+        probes yet) before the process can map it, then resume it, exactly
+        once. The configured library and ones probed already cost a stat."""
+        from . import libcuda
+        pid = e.tgid
+        self.counters["lib_opens"] += 1
+        try:
+            ref = containers.opened_lib(pid, int(e.aux))
+            if ref is None or ref.key in self._pinned_files or ref.key in self._not_driver:
+                return
+            if not self.libtrack.tracked(ref.key):
+                if "cuMemAlloc_v2" not in libcuda.cuda_symbols(ref.host_path):
+                    self._not_driver.add(ref.key)
+                    return
+                self.counters["lib_opens_probed"] += 1
+            st = enforce.proc_start_time(pid)
+            if self.libtrack.add(pid, ref):
+                self._attach_lib(ref)
+            if self.libtrack.tracked(ref.key) and st is not None:
+                self._lib_users[pid] = st
+        except Exception as err:  # noqa: BLE001 - the process must be resumed whatever happened
+            self.counters["handler_errors"] += 1
+            self.record("error", f"pid {pid}: probing the driver library it opened: "
+                        f"{type(err).__name__}: {err}", pid=pid)
+        finally:
+            enforce.resume(pid)
 
     def _attach_lib(self, ref: containers.LibRef) -> bool:
         """Attach the probes to ``ref`` through a descriptor we hold open: bcc
@@ -1233,6 +1275,9 @@ class Daemon:
             return
         if e.kind == abi.EV_EXEC:
             self._exec(pid, e.ts_ns)
+            return
+        if e.kind == abi.EV_LIBOPEN:
+            self._lib_opened(e)
             return
         if e.kind == abi.EV_INIT and e.flags & abi.F_STOPPED and self.table.resolve(pid) is not None:
             # Held at cuInit, so BPF has no proc_cfg for it: a new image whose

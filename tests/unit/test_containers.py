@@ -331,3 +331,22 @@ def test_tracker_property():
         assert {l.inode for l in t.libs()} == set(model)
 
     run()
+
+
+def test_opened_lib_keys_a_file_as_its_mapping_will_be(tmp_path):
+    import os
+    from hami_bpf import containers
+    f = tmp_path / "libcuda.so.1"
+    f.write_bytes(b"\0" * 8192)
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        ref = containers.opened_lib(os.getpid(), fd)
+        st = os.fstat(fd)
+        assert ref is not None and ref.key == (st.st_dev, st.st_ino)
+        assert ref.path == str(f) and ref.host_path == f"/proc/{os.getpid()}/fd/{fd}"
+        f.unlink()                        # still found through the descriptor
+        gone = containers.opened_lib(os.getpid(), fd)
+        assert gone is not None and gone.deleted and gone.key == ref.key
+    finally:
+        os.close(fd)
+    assert containers.opened_lib(os.getpid(), fd) is None
