@@ -576,7 +576,8 @@ class Daemon:
         self.stopped.on_error = self._state_write_failed
         pin = self._prepare_kept_state()
         try:
-            gate_missing = (probes.open_gate_missing() if self.features.send_signal else
+            gate_missing = ("--no-open-gate" if not cfg.open_gate else
+                            probes.open_gate_missing() if self.features.send_signal else
                             "this kernel refuses bpf_send_signal")
             self.probes = probes.Probes(reg_write=reg_write, probe_write_user=pwu,
                                         max_procs=MAX_PROCS, pin_dir=pin,
