@@ -607,6 +607,23 @@ class LibTracker:
                 out.append(e.lib)
         return out
 
+    def remove_user(self, pid: int, key: tuple[int, int]) -> LibRef | None:
+        """``pid`` turned out not to map ``key`` (it only opened the file):
+        returns the library if it was the last user (not pinned)."""
+        keys = self._by_pid.get(pid)
+        if keys is not None:
+            keys.discard(key)
+            if not keys:
+                del self._by_pid[pid]
+        e = self._libs.get(key)
+        if e is None or pid not in e.users:
+            return None
+        e.users.discard(pid)
+        if not e.users and not e.pinned:
+            del self._libs[key]
+            return e.lib
+        return None
+
     def forget(self, key: tuple[int, int]) -> list[int]:
         """Drop a library (e.g. its attach failed); returns its users."""
         e = self._libs.pop(key, None)
@@ -619,6 +636,9 @@ class LibTracker:
                 if not s:
                     del self._by_pid[pid]
         return sorted(e.users)
+
+    def keys_of(self, pid: int) -> set[tuple[int, int]]:
+        return set(self._by_pid.get(pid, ()))
 
     def tracked(self, key: tuple[int, int]) -> bool:
         return key in self._libs

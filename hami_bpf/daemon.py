@@ -64,6 +64,7 @@ SWEEP_EVERY_S = 10.0
 # one core on a node with many processes.
 LIB_SCAN_DUTY = 0.05
 LIB_GRACE_S = float(os.environ.get("HAMI_BPF_LIB_GRACE_S", "10"))
+LIB_VERIFY_S = 5.0         # an opener of a driver library not mapping it by then is no user
 LIB_RETRY_S = 30.0         # a library we could not attach to is tried again after this
 EVENT_LOG_LEN = 2000
 HANDLE_BIT = 1 << 64
@@ -419,6 +420,8 @@ class Daemon:
         self._adopting = False
         # Files named like the driver library that export no driver API.
         self._not_driver: set[tuple[int, int]] = set()
+        # (pid, library) the open gate saw opened -> when to check it is mapped
+        self._lib_verify: dict[tuple[int, tuple[int, int]], float] = {}
         self.heart: Heartbeat | None = None
         self._shutting_down = False
         self.deny_pacer = DenyPacer()
@@ -938,7 +941,11 @@ class Daemon:
             if ref is None or ref.key in self._pinned_files or ref.key in self._not_driver:
                 return
             if not self.libtrack.tracked(ref.key):
-                if "cuMemAlloc_v2" not in libcuda.cuda_symbols(ref.host_path):
+                try:
+                    driver = "cuMemAlloc_v2" in libcuda.cuda_symbols(ref.host_path)
+                except (libcuda.LibcudaError, OSError):
+                    driver = False     # not an ELF, or gone: nothing to probe
+                if not driver:
                     self._not_driver.add(ref.key)
                     return
                 self.counters["lib_opens_probed"] += 1
@@ -947,6 +954,9 @@ class Daemon:
                 self._attach_lib(ref)
             if self.libtrack.tracked(ref.key) and st is not None:
                 self._lib_users[pid] = st
+                # An open is not a mapping (a tool reading the file): a
+                # process that has not mapped it soon after is no user of it.
+                self._lib_verify[(pid, ref.key)] = time.monotonic() + LIB_VERIFY_S
         except Exception as err:  # noqa: BLE001 - the process must be resumed whatever happened
             self.counters["handler_errors"] += 1
             self.record("error", f"pid {pid}: probing the driver library it opened: "
@@ -1018,6 +1028,20 @@ class Daemon:
         self.record(kind, f"not attaching to {ref}, mapped by pid {ref.pid}: {why}", pid=ref.pid,
                     lib=ref.path)
         return False
+
+    def _verify_lib_users(self, now: float) -> None:
+        """Users the open gate recorded are users only if they map the file."""
+        for (pid, key), due in list(self._lib_verify.items()):
+            if now < due:
+                continue
+            del self._lib_verify[(pid, key)]
+            if key in {r.key for r in containers.mapped_libcuda(pid)}:
+                continue
+            lib = self.libtrack.remove_user(pid, key)
+            if lib is not None and key in self.lib_fds:
+                self._lib_idle[key] = (now, lib)
+            if not self.libtrack.keys_of(pid):
+                self._lib_users.pop(pid, None)
 
     def _lib_release(self, pid: int) -> None:
         """``pid`` exited: a library it was the last user of goes idle; it is
@@ -2170,6 +2194,7 @@ class Daemon:
                 self._dirty = True
         # Users of libraries found by discovery that are not registered (or
         # whose exit event was lost): gone or reused -> maybe detach.
+        self._verify_lib_users(time.monotonic())
         for pid, st in list(self._lib_users.items()):
             if enforce.proc_start_time(pid) != st:
                 self._lib_release(pid)

@@ -350,3 +350,20 @@ def test_opened_lib_keys_a_file_as_its_mapping_will_be(tmp_path):
     finally:
         os.close(fd)
     assert containers.opened_lib(os.getpid(), fd) is None
+
+
+def test_tracker_an_opener_that_never_maps_is_no_user():
+    from hami_bpf.containers import LibRef, LibTracker
+    t = LibTracker()
+    lib = LibRef(1, 2, "/x/libcuda.so.1", "/proc/9/fd/3", 9)
+    assert t.add(9, lib) and t.add(10, lib) is False
+    assert t.keys_of(9) == {lib.key}
+    assert t.remove_user(9, lib.key) is None          # 10 still maps it
+    assert t.keys_of(9) == set()
+    assert t.remove_user(10, lib.key) == lib          # the last user: detach it
+    assert not t.tracked(lib.key)
+    assert t.remove_user(10, lib.key) is None
+    p = LibTracker()
+    p.pin(lib)
+    p.add(9, lib)
+    assert p.remove_user(9, lib.key) is None and p.tracked(lib.key)   # pinned stays
