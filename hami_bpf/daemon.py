@@ -601,6 +601,10 @@ class Daemon:
             self.mechanisms["admission"] = "from first classified call"
         # A driver library a process opens (a private copy included) is
         # probed before the process can map it.
+        if gate_missing is None and not self.probes.open_gate:
+            gate_missing = f"the kernel refused its programs: {self.probes.open_gate_error}"
+            self.record("fallback", f"the open gate: {gate_missing}; private libcuda copies are "
+                        "found by scanning /proc")
         if gate_missing is None:
             flags |= abi.CFG_GATE_LIBS
             self.mechanisms["private_libs"] = "held at open until probed"
