@@ -1075,12 +1075,13 @@ int tracepoint__sched__sched_process_exit(void *args)
 
 #ifdef HAMI_HAVE_OPEN_GATE
 /*
- * The open gate: a process that opens a file named like the driver library
- * ("libcuda" anywhere in the path: a private copy, another path, a file it
- * unlinks next) is stopped when the open returns, before it can map the file,
- * until the controller has probes on that file (or knows it has). Applied
- * only while the heartbeat is fresh. A failed open (the loader trying its
- * search path) stops nobody.
+ * The open gate: a process that maps executable a file it opened under a
+ * name like the driver library's ("libcuda" in the path: a private copy,
+ * another path, a file it unlinks next) is stopped when that mmap returns,
+ * before any code in it runs, until the controller has probes on that file
+ * (or knows it has). Applied only while the heartbeat is fresh. Opens that
+ * fail (the loader trying its search path) and files opened only to be read
+ * (copies, linkers, scanners) stop nobody.
  */
 static __always_inline int names_libcuda(const char *s, long n)
 {
@@ -1119,18 +1120,39 @@ TRACEPOINT_PROBE(syscalls, sys_exit_openat)
 	__u64 *at = opening.lookup(&tid);
 	if (!at)
 		return 0;
-	__u64 name = *at;
 	opening.delete(&tid);
-	struct hami_config *c = get_config();
-	if (args->ret < 0 || !controller_alive(c) ||
-	    (__u32)(bpf_get_current_pid_tgid() >> 32) == c->controller)
+	if (args->ret < 0)
 		return 0;
-	/* The event first: a stop nobody hears of would never be resumed. */
+	/* Remember the descriptor: only mapping it executable is loading it
+	 * (a copy, a linker, a scanner reading the file never do). */
+	struct hami_libfd k = { .tgid = (__u32)(bpf_get_current_pid_tgid() >> 32),
+				.fd = (__s32)args->ret };
+	__u64 name = *at;
+	lib_fds.update(&k, &name);
+	return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_enter_mmap)
+{
+	if (!(args->prot & HAMI_PROT_EXEC) || (long)args->fd < 0)
+		return 0;
+	struct hami_libfd k = { .tgid = (__u32)(bpf_get_current_pid_tgid() >> 32),
+				.fd = (__s32)args->fd };
+	__u64 *name = lib_fds.lookup(&k);
+	if (!name)
+		return 0;
+	__u64 at = *name;
+	lib_fds.delete(&k);
+	struct hami_config *c = get_config();
+	if (!controller_alive(c) || k.tgid == c->controller)
+		return 0;
+	/* The event first: a stop nobody hears of would never be resumed. The
+	 * stop lands when the mmap returns: mapped, nothing in it run yet. */
 	struct hami_event *e = new_event(HAMI_EV_LIBOPEN);
 	if (!e)
 		return 0;
-	e->ptr = name;
-	e->aux = args->ret;
+	e->ptr = at;
+	e->aux = k.fd;
 	e->flags = HAMI_F_STOPPED;
 	bpf_send_signal(HAMI_SIGSTOP);
 	events.ringbuf_submit(e, 0);

@@ -27,7 +27,7 @@
 #define HAMI_EV_NVMLMEM    11  /* nvmlDeviceGetMemoryInfo[_v2] returned; ptr = nvmlMemory*, aux = struct version (1, 2); stopped as MEMINFO */
 #define HAMI_EV_THROTTLE   10  /* a launch found its group's SM budget spent: the process is stopped (flags) */
 #define HAMI_EV_EXEC       12  /* a process we know replaced its image (execve): the old image's bytes went back to its group */
-#define HAMI_EV_LIBOPEN    13  /* a file named like the driver library was opened: aux = the fd; stopped (flags) */
+#define HAMI_EV_LIBOPEN    13  /* a file opened under a name like the driver library's was mapped executable: aux = its fd; stopped (flags) */
 /* 9 is unused (it once named an event nothing sent): leave it unassigned. */
 
 /* Allocation kinds: a device pointer and a cuMemCreate handle are different
@@ -91,6 +91,13 @@
  * and how much of the path it reads. */
 #define HAMI_LIBNAME_LEN  7
 #define HAMI_PATH_SCAN    256
+#define HAMI_PROT_EXEC    0x4   /* mmap's PROT_EXEC */
+
+/* lib_fds: a descriptor of a process. */
+struct hami_libfd {
+	__u32 tgid;
+	__s32 fd;
+};
 
 #define HAMI_GROUP_NONE 0xffffffffu
 #define HAMI_UNLIMITED  0xffffffffffffffffULL

@@ -216,12 +216,13 @@ def prepare_pin_dir(pin_dir: str, fingerprint: str, fresh: bool) -> tuple[str, b
     return here, adopted
 
 
-OPEN_TRACEPOINTS = ("syscalls/sys_enter_openat", "syscalls/sys_exit_openat")
+OPEN_TRACEPOINTS = ("syscalls/sys_enter_openat", "syscalls/sys_exit_openat",
+                    "syscalls/sys_enter_mmap")
 
 
 def open_gate_missing(tracefs: str = "/sys/kernel/tracing") -> str | None:
     """Why the open gate cannot run here (None: it can): it needs the
-    openat syscall tracepoints (CONFIG_FTRACE_SYSCALLS)."""
+    openat and mmap syscall tracepoints (CONFIG_FTRACE_SYSCALLS)."""
     for tp in OPEN_TRACEPOINTS:
         if not os.path.isdir(f"{tracefs}/events/{tp}"):
             return f"no tracepoint {tp} (kernel built without CONFIG_FTRACE_SYSCALLS?)"
