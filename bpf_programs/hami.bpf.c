@@ -1091,6 +1091,7 @@ int tracepoint__sched__sched_process_exit(void *args)
 	}
 	cur_ctx.delete(&tid);
 	sync_at.delete(&tid);
+	opening.delete(&tid);
 
 	if (tid != tgid)
 		return 0;
@@ -1106,6 +1107,93 @@ int tracepoint__sched__sched_process_exit(void *args)
 	}
 	return 0;
 }
+
+#ifdef HAMI_HAVE_OPEN_GATE
+/*
+ * The open gate: a process that maps executable a file it opened under a
+ * name like the driver library's ("libcuda" in the path: a private copy,
+ * another path, a file it unlinks next) is stopped when that mmap returns,
+ * before any code in it runs, until the controller has probes on that file
+ * (or knows it has). Applied only while the heartbeat is fresh. Opens that
+ * fail (the loader trying its search path) and files opened only to be read
+ * (copies, linkers, scanners) stop nobody.
+ */
+static __always_inline int names_libcuda(const char *s, long n)
+{
+	/* "libcuda" not followed by a letter: libcuda.so.1, libcuda-copy.so,
+	 * never the runtime's libcudart. */
+	for (int i = 0; i < HAMI_PATH_SCAN - HAMI_LIBNAME_LEN - 1; i++) {
+		if (i + HAMI_LIBNAME_LEN >= n)
+			return 0;
+		char next = s[i + HAMI_LIBNAME_LEN];
+		if (s[i] == 'l' && s[i + 1] == 'i' && s[i + 2] == 'b' && s[i + 3] == 'c' &&
+		    s[i + 4] == 'u' && s[i + 5] == 'd' && s[i + 6] == 'a' &&
+		    !(next >= 'a' && next <= 'z'))
+			return 1;
+	}
+	return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_enter_openat)
+{
+	struct hami_config *c = get_config();
+	if (!c || !(c->flags & HAMI_CFG_GATE_LIBS))
+		return 0;
+	char name[HAMI_PATH_SCAN];
+	long n = bpf_probe_read_user_str(name, sizeof(name), args->filename);
+	if (n <= 0 || !names_libcuda(name, n))
+		return 0;
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
+	__u64 at = (__u64)args->filename;
+	opening.update(&tid, &at);
+	return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_exit_openat)
+{
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
+	__u64 *at = opening.lookup(&tid);
+	if (!at)
+		return 0;
+	opening.delete(&tid);
+	if (args->ret < 0)
+		return 0;
+	/* Remember the descriptor: only mapping it executable is loading it
+	 * (a copy, a linker, a scanner reading the file never do). */
+	struct hami_libfd k = { .tgid = (__u32)(bpf_get_current_pid_tgid() >> 32),
+				.fd = (__s32)args->ret };
+	__u64 name = *at;
+	lib_fds.update(&k, &name);
+	return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_enter_mmap)
+{
+	if (!(args->prot & HAMI_PROT_EXEC) || (long)args->fd < 0)
+		return 0;
+	struct hami_libfd k = { .tgid = (__u32)(bpf_get_current_pid_tgid() >> 32),
+				.fd = (__s32)args->fd };
+	__u64 *name = lib_fds.lookup(&k);
+	if (!name)
+		return 0;
+	__u64 at = *name;
+	lib_fds.delete(&k);
+	struct hami_config *c = get_config();
+	if (!controller_alive(c) || k.tgid == c->controller)
+		return 0;
+	/* The event first: a stop nobody hears of would never be resumed. The
+	 * stop lands when the mmap returns: mapped, nothing in it run yet. */
+	struct hami_event *e = new_event(HAMI_EV_LIBOPEN);
+	if (!e)
+		return 0;
+	e->ptr = at;
+	e->aux = k.fd;
+	e->flags = HAMI_F_STOPPED;
+	bpf_send_signal(HAMI_SIGSTOP);
+	events.ringbuf_submit(e, 0);
+	return 0;
+}
+#endif
 
 /*
  * execve replaced a process image: the old image's CUDA memory died with it,

@@ -13,7 +13,7 @@
 #ifndef HAMI_H
 #define HAMI_H
 
-#define HAMI_ABI_VERSION 3
+#define HAMI_ABI_VERSION 4
 
 /* Event kinds sent through the ring buffer. */
 #define HAMI_EV_INIT        1  /* cuInit entered: a process uses CUDA; stopped if flags has HAMI_F_STOPPED */
@@ -27,6 +27,7 @@
 #define HAMI_EV_NVMLMEM    11  /* nvmlDeviceGetMemoryInfo[_v2] returned; ptr = nvmlMemory*, aux = struct version (1, 2); stopped as MEMINFO */
 #define HAMI_EV_THROTTLE   10  /* a launch found its group's SM budget spent: the process is stopped (flags) */
 #define HAMI_EV_EXEC       12  /* a process we know replaced its image (execve): the old image's bytes went back to its group */
+#define HAMI_EV_LIBOPEN    13  /* a file opened under a name like the driver library's was mapped executable: aux = its fd; stopped (flags) */
 /* 9 is unused (it once named an event nothing sent): leave it unassigned. */
 
 /* Allocation kinds: a device pointer and a cuMemCreate handle are different
@@ -84,6 +85,19 @@
 #define HAMI_CFG_ENFORCE_MEM  (1u << 0)
 #define HAMI_CFG_VIRT_MEMINFO (1u << 1)
 #define HAMI_CFG_GATE_INIT    (1u << 2) /* hold a new process at cuInit until classified */
+#define HAMI_CFG_GATE_LIBS    (1u << 3) /* hold a process that opened a libcuda until it is probed */
+
+/* The name the open gate looks for in an opened path ("libcuda", anywhere),
+ * and how much of the path it reads. */
+#define HAMI_LIBNAME_LEN  7
+#define HAMI_PATH_SCAN    256
+#define HAMI_PROT_EXEC    0x4   /* mmap's PROT_EXEC */
+
+/* lib_fds: a descriptor of a process. */
+struct hami_libfd {
+	__u32 tgid;
+	__s32 fd;
+};
 
 #define HAMI_GROUP_NONE 0xffffffffu
 #define HAMI_UNLIMITED  0xffffffffffffffffULL
@@ -263,6 +277,8 @@ struct hami_config {
 	__u32 flags;         /* HAMI_CFG_* */
 	__u32 oom_action;    /* HAMI_ACT_* */
 	__u64 graph_cost;    /* cost units charged for one cuGraphLaunch (learned by the controller) */
+	__u32 controller;    /* the controller's tgid: the open gate never stops it */
+	__u32 pad;
 };
 
 #endif /* HAMI_H */

@@ -125,6 +125,18 @@ BPF_HASH(sync_at, __u32, struct hami_syncat, 16384);
  * that makes a tail call never gets a private stack. */
 BPF_PROG_ARRAY(no_priv_stack, 1);
 
+/* opening: key __u32 tid -> __u64 user address of the path being opened,
+ * when it names the driver library. Written by the openat entry program,
+ * consumed by its exit (or the thread's exit). Only with the open gate. */
+BPF_HASH(opening, __u32, __u64, 4096);
+
+/* lib_fds: key hami_libfd (tgid, fd) -> user address of the name it was
+ * opened under, for descriptors of files named like the driver library.
+ * Written by the openat exit program, consumed by an executable mmap of the
+ * descriptor; LRU: a descriptor closed unmapped is evicted in time (a stale
+ * one reused for another file costs one stop that finds nothing to probe). */
+BPF_TABLE("lru_hash", struct hami_libfd, __u64, lib_fds, 4096);
+
 /* config: one hami_config, written by the controller (heartbeat every tick). */
 BPF_ARRAY(config, struct hami_config, 1);
 

@@ -120,6 +120,11 @@ class UnixGroupType(click.ParamType):
               help="Let a newly capped group learn its full rate with the other capped groups "
                    "on its GPU held (at most 2 s; never an uncapped or higher-priority group): "
                    "learned side by side, rates come out short by what time-slicing loses.")
+@click.option("--open-gate/--no-open-gate", default=True, show_default=True,
+              help="Hold a process that opens a file named libcuda until that file is probed, "
+                   "so a private copy of the driver library is probed before its first call "
+                   "(needs the openat syscall tracepoints). Without it such copies are found "
+                   "by scanning /proc about every second.")
 @click.option("--hami-regions", "hami_regions", default=None, metavar="DIR",
               type=click.Path(file_okay=False),
               help="Publish one HAMi shared-region file per group under DIR, for HAMi's node "
@@ -135,7 +140,7 @@ class UnixGroupType(click.ParamType):
 @click.option("-v", "--verbose", is_flag=True, help="Log debug details.")
 def run(libcuda, group_by, socket_path, count_launches, policy, env_limits, oom_action,
         metrics_addr, socket_group, demo, state_dir, pin_dir, keep_state, fresh, context_bytes,
-        sm_limits, sm_lend_idle, sm_turns, sm_turn_ms, sm_learn_alone, hami_regions,
+        sm_limits, sm_lend_idle, sm_turns, sm_turn_ms, sm_learn_alone, open_gate, hami_regions,
         fallback_devices, fallback_total_mem, sim_gpu, verbose):
     """Start the daemon: attach probes, keep the slot table, serve the socket."""
     if os.geteuid() != 0:
@@ -146,7 +151,7 @@ def run(libcuda, group_by, socket_path, count_launches, policy, env_limits, oom_
                        socket_group=socket_group, demo=demo, state_dir=state_dir,
                        verbose=verbose, context_bytes=context_bytes, sm_limits=sm_limits,
                        sm_lend_idle=sm_lend_idle, sm_turns=sm_turns,
-                       sm_turn_ms=sm_turn_ms, sm_learn_alone=sm_learn_alone,
+                       sm_turn_ms=sm_turn_ms, sm_learn_alone=sm_learn_alone, open_gate=open_gate,
                        hami_regions=hami_regions, pin_dir=pin_dir if keep_state else None,
                        fresh=fresh, fallback_devices=fallback_devices,
                        fallback_total_mem=fallback_total_mem, sim_gpu=sim_gpu)

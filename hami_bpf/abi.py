@@ -9,7 +9,7 @@ from __future__ import annotations
 import ctypes as ct
 from pathlib import Path
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 BPF_DIR = Path(__file__).resolve().parent.parent / "bpf_programs"
 
@@ -39,6 +39,7 @@ EV_TOTALMEM = 8
 EV_THROTTLE = 10
 EV_NVMLMEM = 11
 EV_EXEC = 12
+EV_LIBOPEN = 13
 
 KIND_PTR = 0
 KIND_HANDLE = 1
@@ -58,6 +59,7 @@ ACT_NONE_STALE = 4
 CFG_ENFORCE_MEM = 1 << 0
 CFG_VIRT_MEMINFO = 1 << 1
 CFG_GATE_INIT = 1 << 2
+CFG_GATE_LIBS = 1 << 3
 
 SIGKILL = 9    # x86-64 numbers: what the probes pass to bpf_send_signal
 SIGSTOP = 19
@@ -202,6 +204,8 @@ class Config(ct.Structure):
         ("flags", ct.c_uint32),
         ("oom_action", ct.c_uint32),
         ("graph_cost", ct.c_uint64),
+        ("controller", ct.c_uint32),
+        ("pad", ct.c_uint32),
     ]
 
 

@@ -105,6 +105,7 @@ class DaemonConfig:
     sm_turns: bool = True                # groups capped on one device take turns (throttle.turns)
     sm_turn_ms: int = DEFAULT_SM_TURN_MS  # the turns' period
     sm_learn_alone: bool = True          # a group learns its rate with its device's capped groups held
+    open_gate: bool = True               # hold a process opening a libcuda until that file is probed
     pin_dir: str | None = DEFAULT_PIN_DIR  # bpffs directory the accounting maps are kept in; None = not kept
     fresh: bool = False                  # discard kept state instead of adopting it
     fallback_devices: int = DEFAULT_FALLBACK_DEVICES    # devices assumed where NVML does not answer

@@ -460,6 +460,55 @@ class LibRef:
 parse_maps = procfs.parse_maps
 
 
+def _mapped_key(fd: int) -> tuple[int, int] | None:
+    """(device, inode) of the file open at ``fd`` as /proc/PID/maps shows it
+    (for overlayfs the underlying file, which fstat does not give): map one
+    page of it here and read our own maps."""
+    import ctypes
+    import mmap as mmap_
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    size = mmap_.PAGESIZE
+    addr = libc.mmap(None, size, mmap_.PROT_READ, mmap_.MAP_PRIVATE, fd, 0)
+    if addr in (None, ctypes.c_void_p(-1).value):
+        return None
+    try:
+        raw = procfs.maps(os.getpid())
+        if raw is None:
+            return None
+        for start, _e, dev, inode, _perms, _path, _deleted in parse_maps(
+                raw.decode(errors="replace")):
+            if start == addr:
+                return dev, inode
+        return None
+    finally:
+        libc.munmap(addr, size)
+
+
+def opened_lib(pid: int, fd: int, proc: str = "/proc") -> LibRef | None:
+    """The file ``pid`` holds open at ``fd`` (the open gate caught it opening
+    a driver library), as a LibRef keyed like its mapping will be. Reached
+    through /proc/PID/fd/N, so a file unlinked since, or one in another mount
+    namespace, is still found. None if the process or the fd is gone."""
+    link = f"{proc}/{pid}/fd/{int(fd)}"
+    try:
+        name = os.readlink(link)
+        ours = os.open(link, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        key = _mapped_key(ours)
+    finally:
+        os.close(ours)
+    if key is None:
+        return None
+    deleted = name.endswith(" (deleted)")
+    return LibRef(key[0], key[1], name.removesuffix(" (deleted)"), link, pid, deleted)
+
+
 def mapped_libcuda(pid: int, proc: str = "/proc") -> list[LibRef]:
     """The libcuda.so* files ``pid`` maps, one per file identity, in map order.
     Empty if none or if the process is gone."""
@@ -558,6 +607,23 @@ class LibTracker:
                 out.append(e.lib)
         return out
 
+    def remove_user(self, pid: int, key: tuple[int, int]) -> LibRef | None:
+        """``pid`` turned out not to map ``key`` (it only opened the file):
+        returns the library if it was the last user (not pinned)."""
+        keys = self._by_pid.get(pid)
+        if keys is not None:
+            keys.discard(key)
+            if not keys:
+                del self._by_pid[pid]
+        e = self._libs.get(key)
+        if e is None or pid not in e.users:
+            return None
+        e.users.discard(pid)
+        if not e.users and not e.pinned:
+            del self._libs[key]
+            return e.lib
+        return None
+
     def forget(self, key: tuple[int, int]) -> list[int]:
         """Drop a library (e.g. its attach failed); returns its users."""
         e = self._libs.pop(key, None)
@@ -570,6 +636,9 @@ class LibTracker:
                 if not s:
                     del self._by_pid[pid]
         return sorted(e.users)
+
+    def keys_of(self, pid: int) -> set[tuple[int, int]]:
+        return set(self._by_pid.get(pid, ()))
 
     def tracked(self, key: tuple[int, int]) -> bool:
         return key in self._libs

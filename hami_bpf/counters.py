@@ -26,6 +26,8 @@ DAEMON_COUNTERS: tuple[str, ...] = (
     "handler_errors",
     "holds_cut_short",
     "launch_probes",          # set, not counted: probes attached on launch calls
+    "lib_opens",              # processes the open gate stopped at a driver library
+    "lib_opens_probed",       # ... whose library nobody probed yet
     "meminfo_rewrites",
     "policy_reloads",
     "reaped",

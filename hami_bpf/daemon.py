@@ -64,6 +64,7 @@ SWEEP_EVERY_S = 10.0
 # one core on a node with many processes.
 LIB_SCAN_DUTY = 0.05
 LIB_GRACE_S = float(os.environ.get("HAMI_BPF_LIB_GRACE_S", "10"))
+LIB_VERIFY_S = 5.0         # an opener of a driver library not mapping it by then is no user
 LIB_RETRY_S = 30.0         # a library we could not attach to is tried again after this
 EVENT_LOG_LEN = 2000
 HANDLE_BIT = 1 << 64
@@ -320,6 +321,10 @@ class Daemon:
         self._reload_again = False        # SIGHUP while it read: read once more
         self._snap = Snapshot.empty()
         self._adopting = False
+        # Files named like the driver library that export no driver API.
+        self._not_driver: set[tuple[int, int]] = set()
+        # (pid, library) the open gate saw opened -> when to check it is mapped
+        self._lib_verify: dict[tuple[int, tuple[int, int]], float] = {}
         self.heart: Heartbeat | None = None
         self.memory = MemoryEnforcer(place=self._place,
                                      group_used=lambda gi, dev: self.probes.group_used(gi, dev),
@@ -477,8 +482,12 @@ class Daemon:
         self.stopped.on_error = self._state_write_failed
         pin = self._prepare_kept_state()
         try:
+            gate_missing = ("--no-open-gate" if not cfg.open_gate else
+                            probes.open_gate_missing() if self.features.send_signal else
+                            "this kernel refuses bpf_send_signal")
             self.probes = probes.Probes(reg_write=reg_write, probe_write_user=pwu,
-                                        max_procs=MAX_PROCS, pin_dir=pin)
+                                        max_procs=MAX_PROCS, pin_dir=pin,
+                                        open_gate=gate_missing is None)
         except probes.ProbeError as e:
             raise DaemonError(str(e)) from None
         if cfg.pin_dir:
@@ -493,6 +502,18 @@ class Daemon:
             self.mechanisms["admission"] = "gated at cuInit"
         else:
             self.mechanisms["admission"] = "from first classified call"
+        # A driver library a process opens (a private copy included) is
+        # probed before the process can map it.
+        if gate_missing is None and not self.probes.open_gate:
+            gate_missing = f"the kernel refused its programs: {self.probes.open_gate_error}"
+            self.record("fallback", f"the open gate: {gate_missing}; private libcuda copies are "
+                        "found by scanning /proc")
+        if gate_missing is None:
+            flags |= abi.CFG_GATE_LIBS
+            self.mechanisms["private_libs"] = "held at open until probed"
+        else:
+            self.mechanisms["private_libs"] = (f"found by scanning /proc (about every second; "
+                                               f"{gate_missing})")
         self.probes.set_config(flags=flags, oom_action=self.oom_action, stale_ns=HEARTBEAT_STALE_NS)
         self.probes.set_graph_cost(GRAPH_COST)
         self.heart = Heartbeat(self.probes.heartbeat)
@@ -814,6 +835,42 @@ class Daemon:
                     self._register(pid, time.monotonic_ns(), existing=True)
                     self._dirty = True
 
+    def _lib_opened(self, e: abi.Event) -> None:
+        """The open gate stopped a process that opened a file named like the
+        driver library: probe that file (if it is a driver library nobody
+        probes yet) before the process can map it, then resume it, exactly
+        once. The configured library and ones probed already cost a stat."""
+        from . import libcuda
+        pid = e.tgid
+        self.counters["lib_opens"] += 1
+        try:
+            ref = containers.opened_lib(pid, int(e.aux))
+            if ref is None or ref.key in self._pinned_files or ref.key in self._not_driver:
+                return
+            if not self.libtrack.tracked(ref.key):
+                try:
+                    driver = "cuMemAlloc_v2" in libcuda.cuda_symbols(ref.host_path)
+                except (libcuda.LibcudaError, OSError):
+                    driver = False     # not an ELF, or gone: nothing to probe
+                if not driver:
+                    self._not_driver.add(ref.key)
+                    return
+                self.counters["lib_opens_probed"] += 1
+            st = enforce.proc_start_time(pid)
+            if self.libtrack.add(pid, ref):
+                self._attach_lib(ref)
+            if self.libtrack.tracked(ref.key) and st is not None:
+                self._lib_users[pid] = st
+                # An open is not a mapping (a tool reading the file): a
+                # process that has not mapped it soon after is no user of it.
+                self._lib_verify[(pid, ref.key)] = time.monotonic() + LIB_VERIFY_S
+        except Exception as err:  # noqa: BLE001 - the process must be resumed whatever happened
+            self.counters["handler_errors"] += 1
+            self.record("error", f"pid {pid}: probing the driver library it opened: "
+                        f"{type(err).__name__}: {err}", pid=pid)
+        finally:
+            enforce.resume(pid)
+
     def _attach_lib(self, ref: containers.LibRef) -> bool:
         """Attach the probes to ``ref`` through a descriptor we hold open: bcc
         detaches by re-reading the ELF at the path it attached with, and the
@@ -878,6 +935,20 @@ class Daemon:
         self.record(kind, f"not attaching to {ref}, mapped by pid {ref.pid}: {why}", pid=ref.pid,
                     lib=ref.path)
         return False
+
+    def _verify_lib_users(self, now: float) -> None:
+        """Users the open gate recorded are users only if they map the file."""
+        for (pid, key), due in list(self._lib_verify.items()):
+            if now < due:
+                continue
+            del self._lib_verify[(pid, key)]
+            if key in {r.key for r in containers.mapped_libcuda(pid)}:
+                continue
+            lib = self.libtrack.remove_user(pid, key)
+            if lib is not None and key in self.lib_fds:
+                self._lib_idle[key] = (now, lib)
+            if not self.libtrack.keys_of(pid):
+                self._lib_users.pop(pid, None)
 
     def _lib_release(self, pid: int) -> None:
         """``pid`` exited: a library it was the last user of goes idle; it is
@@ -1134,6 +1205,9 @@ class Daemon:
             return
         if e.kind == abi.EV_EXEC:
             self._exec(pid, e.ts_ns)
+            return
+        if e.kind == abi.EV_LIBOPEN:
+            self._lib_opened(e)
             return
         if e.kind == abi.EV_INIT and e.flags & abi.F_STOPPED and self.table.resolve(pid) is not None:
             # Held at cuInit, so BPF has no proc_cfg for it: a new image whose
@@ -1917,6 +1991,7 @@ class Daemon:
                 self._dirty = True
         # Users of libraries found by discovery that are not registered (or
         # whose exit event was lost): gone or reused -> maybe detach.
+        self._verify_lib_users(time.monotonic())
         for pid, st in list(self._lib_users.items()):
             if enforce.proc_start_time(pid) != st:
                 self._lib_release(pid)

@@ -67,6 +67,17 @@ def check_bpffs() -> dict[str, Any]:
                   "start-up; where it cannot, a restart starts the accounting from zero")
 
 
+def check_open_gate() -> dict[str, Any]:
+    """Whether a process opening a private libcuda can be held until it is probed."""
+    from hami_bpf.probes import open_gate_missing
+    why = open_gate_missing()
+    if why is None:
+        return _check(True, "openat tracepoints", "a process that opens a libcuda file is held "
+                      "until that file is probed")
+    return _check(True, None, f"{why}: private libcuda copies are found by scanning /proc "
+                  "(about every second; calls before that are not seen)")
+
+
 def check_lockdown() -> dict[str, Any]:
     p = Path("/sys/kernel/security/lockdown")
     try:
@@ -169,6 +180,7 @@ CHECKS: dict[str, Callable[[], dict[str, Any]]] = {
     "uprobes": check_uprobes,
     "tracefs": check_tracefs,
     "bpffs": check_bpffs,
+    "open_gate": check_open_gate,
     "lockdown": check_lockdown,
     "kernel_headers": check_kernel_headers,
     "bcc": check_bcc,

@@ -323,6 +323,23 @@ def test_own_driver_limit_applies(daemon, fakecuda, own_lib):
         converge(daemon, [c])
 
 
+def test_own_driver_limit_applies_from_the_first_call(daemon, fakecuda, own_lib):
+    """A process that uses only a private copy of the driver library, and
+    allocates at once: the open gate holds it at the open of the copy until
+    the copy is probed, so its first over-limit call is refused."""
+    if daemon.snapshot()["mechanisms"].get("private_libs") != "held at open until probed":
+        pytest.fail(f"the open gate is not in use here: {daemon.snapshot()['mechanisms']}")
+    env = {"CUDA_DEVICE_MEMORY_LIMIT": "16m"}
+    for _ in range(2):
+        with Contained.start(fakecuda, gname("ns"), own_lib=own_lib, env=env) as c:
+            c.alloc("alloc 16M", 0)
+            rc, _ = c.alloc("alloc 1M", 0, expect_rc=None)
+            assert rc == OOM, "the first over-limit call through a private copy was let through"
+            converge(daemon, [c])
+    counters = daemon.snapshot()["counters"]
+    assert counters.get("lib_opens_probed", 0) >= 1 and counters.get("lib_opens", 0) >= 2
+
+
 def _settled_perf_fds(pid: int, timeout: float = 20.0) -> int:
     """Detaching runs in the background (~0.2 s per probe on 6.18): wait until
     an earlier test's detach is over before taking a baseline."""

@@ -16,6 +16,7 @@ HEADER = Path(__file__).resolve().parents[2] / "bpf_programs" / "hami.h"
 # Defines only the BPF programs use: not mirrored in abi.py.
 BPF_ONLY = {
     "X86_RET", "RET_SCAN_CHUNK", "RET_SCAN_CHUNKS", "CHECKPOINT_NS", "MEMPROP_LOCATION_ID",
+    "LIBNAME_LEN", "PATH_SCAN", "PROT_EXEC",
     "CTXOP_SET", "CTXOP_PUSH", "CTXOP_POP", "CTXOP_DESTROY",
     "FN_ALLOC", "FN_PITCH", "FN_CREATE", "FN_CTXRETAIN", "FN_CTXCREATE", "FN_MEMINFO",
     "FN_TOTALMEM", "FN_CTXPOP", "FN_NVMLHANDLE", "FN_NVMLMEM",

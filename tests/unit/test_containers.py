@@ -331,3 +331,39 @@ def test_tracker_property():
         assert {l.inode for l in t.libs()} == set(model)
 
     run()
+
+
+def test_opened_lib_keys_a_file_as_its_mapping_will_be(tmp_path):
+    import os
+    from hami_bpf import containers
+    f = tmp_path / "libcuda.so.1"
+    f.write_bytes(b"\0" * 8192)
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        ref = containers.opened_lib(os.getpid(), fd)
+        st = os.fstat(fd)
+        assert ref is not None and ref.key == (st.st_dev, st.st_ino)
+        assert ref.path == str(f) and ref.host_path == f"/proc/{os.getpid()}/fd/{fd}"
+        f.unlink()                        # still found through the descriptor
+        gone = containers.opened_lib(os.getpid(), fd)
+        assert gone is not None and gone.deleted and gone.key == ref.key
+    finally:
+        os.close(fd)
+    assert containers.opened_lib(os.getpid(), fd) is None
+
+
+def test_tracker_an_opener_that_never_maps_is_no_user():
+    from hami_bpf.containers import LibRef, LibTracker
+    t = LibTracker()
+    lib = LibRef(1, 2, "/x/libcuda.so.1", "/proc/9/fd/3", 9)
+    assert t.add(9, lib) and t.add(10, lib) is False
+    assert t.keys_of(9) == {lib.key}
+    assert t.remove_user(9, lib.key) is None          # 10 still maps it
+    assert t.keys_of(9) == set()
+    assert t.remove_user(10, lib.key) == lib          # the last user: detach it
+    assert not t.tracked(lib.key)
+    assert t.remove_user(10, lib.key) is None
+    p = LibTracker()
+    p.pin(lib)
+    p.add(9, lib)
+    assert p.remove_user(9, lib.key) is None and p.tracked(lib.key)   # pinned stays
