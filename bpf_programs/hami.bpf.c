@@ -503,23 +503,30 @@ static __always_inline int free_enter(struct pt_regs *ctx, __u32 kind, __u64 ptr
  * cuInit: the process uses CUDA. Where limits may apply (HAMI_CFG_GATE_INIT),
  * a process the controller has not classified yet is held here until it has:
  * otherwise its first allocations would be admitted against no group. Only
- * while the controller is alive to resume it, and only once the event that
- * tells it to is safely reserved.
+ * while the controller is alive to resume it; it learns of the hold from
+ * gate_wait (maps.h), the event being only the fast path.
  */
 int uprobe__cuInit(struct pt_regs *ctx)
 {
 	keep_off_private_stack(ctx);
 	__u32 tgid = bpf_get_current_pid_tgid() >> 32;
 	get_proc(tgid);
+	__u32 flags = 0;
+	struct hami_config *c = get_config();
+	if (c && (c->flags & HAMI_CFG_GATE_INIT) && !proc_cfg.lookup(&tgid) && controller_alive(c)) {
+		/* Recorded before the stop: the controller finds it in gate_wait
+		 * even if the event below is lost. */
+		__u64 now = bpf_ktime_get_ns();
+		if (gate_wait.update(&tgid, &now) == 0) {
+			bpf_send_signal(HAMI_SIGSTOP);
+			stat_inc(HAMI_STAT_STOPS);
+			flags = HAMI_F_STOPPED;
+		}
+	}
 	struct hami_event *e = new_event(HAMI_EV_INIT);
 	if (!e)
 		return 0;
-	struct hami_config *c = get_config();
-	if (c && (c->flags & HAMI_CFG_GATE_INIT) && !proc_cfg.lookup(&tgid) && controller_alive(c)) {
-		bpf_send_signal(HAMI_SIGSTOP);
-		stat_inc(HAMI_STAT_STOPS);
-		e->flags = HAMI_F_STOPPED;
-	}
+	e->flags = flags;
 	events.ringbuf_submit(e, 0);
 	return 0;
 }
@@ -1063,6 +1070,7 @@ static __always_inline __u32 release_image(__u32 tgid, struct hami_proc *p)
 	procs.delete(&tgid);
 	proc_cfg.delete(&tgid);
 	launches.delete(&tgid);
+	gate_wait.delete(&tgid);
 	return group;
 }
 

@@ -116,6 +116,15 @@ BPF_HASH(sm_use, struct hami_gkey, struct hami_smuse, HAMI_MAX_GROUPS * 8);
  * Attached with the launch probes. */
 BPF_HASH(sync_at, __u32, struct hami_syncat, 16384);
 
+/* gate_wait: key __u32 tgid -> __u64 ktime of the hold. A process the cuInit
+ * probe stopped until the controller classifies it. Written by that probe
+ * before the stop; the controller reads it every tick and deletes an entry to
+ * claim it (the one that deleted it resumes the process, exactly once), so a
+ * hold never depends on its event getting through a full ring buffer. Deleted
+ * too when the image goes (exit, exec). Not kept: a restarted controller
+ * finds such processes stopped at cuInit's entry and resumes them. */
+BPF_HASH(gate_wait, __u32, __u64, HAMI_MAX_PROCS);
+
 /* no_priv_stack: an empty program array, never written. Every uprobe program
  * begins with a tail call into it, which misses and returns at once. From 6.13
  * the kernel runs a kprobe-type program whose stack is 64 bytes or more on a

@@ -23,6 +23,7 @@ DAEMON_COUNTERS: tuple[str, ...] = (
     "enforce_refused",
     "events",
     "execs",
+    "gate_scan_claims",       # processes held at cuInit found by the scan, not by their event
     "handler_errors",
     "holds_cut_short",
     "launch_probes",          # set, not counted: probes attached on launch calls

@@ -997,6 +997,7 @@ class Daemon:
             # While a group is held, tick fast: the hold should end as soon as
             # the budget allows, or the held time itself lowers the share.
             self.probes.poll(self._poll_ms())
+            self._release_gated()
             now = time.monotonic()
             if self.sm_caps:
                 try:
@@ -1159,6 +1160,7 @@ class Daemon:
             try:
                 self.probes.stop_heartbeat()   # the BPF side stops nobody from now on
                 self.probes.consume()          # resume what it stopped meanwhile
+                self._release_gated()
             except Exception as e:
                 log.warning("draining events at shutdown: %s", e)
         self.memory.drain()               # paced denials answered, later ones at once
@@ -1192,8 +1194,9 @@ class Daemon:
             log.exception("handling event kind %d of pid %d", e.kind, e.tgid)
             self.counters["handler_errors"] += 1
             # The handlers of stopping events resume exactly once themselves;
-            # only a failure before that leaves it to us.
-            if e.flags & abi.F_STOPPED:
+            # only a failure before that leaves it to us. A hold at cuInit is
+            # resumed by whoever claimed it (_gated), or by the next scan.
+            if e.flags & abi.F_STOPPED and e.kind != abi.EV_INIT:
                 enforce.resume(e.tgid)
 
     def _handle(self, e: abi.Event) -> None:
@@ -1209,23 +1212,11 @@ class Daemon:
         if e.kind == abi.EV_LIBOPEN:
             self._lib_opened(e)
             return
-        if e.kind == abi.EV_INIT and e.flags & abi.F_STOPPED and self.table.resolve(pid) is not None:
-            # Held at cuInit, so BPF has no proc_cfg for it: a new image whose
-            # exec event was lost (ring buffer full). Its old image is gone.
-            self._exec(pid, e.ts_ns)
-        if self.table.resolve(pid) is None:
-            if e.kind == abi.EV_INIT and e.flags & abi.F_STOPPED:
-                self.stopped.add(pid, enforce.proc_start_time(pid), "held at cuInit")
-                try:
-                    self._register(pid, e.ts_ns, comm=e.comm.decode(errors="replace"))
-                finally:
-                    self.stopped.remove(pid)
-                    enforce.resume(pid)   # exactly once (see _deny)
-                return
-            self._register(pid, e.ts_ns, comm=e.comm.decode(errors="replace"))
-        elif e.kind == abi.EV_INIT and e.flags & abi.F_STOPPED:
-            enforce.resume(pid)
+        if e.kind == abi.EV_INIT and e.flags & abi.F_STOPPED:
+            self._gated(pid, e.ts_ns, e.comm.decode(errors="replace"))
             return
+        if self.table.resolve(pid) is None:
+            self._register(pid, e.ts_ns, comm=e.comm.decode(errors="replace"))
         if e.kind == abi.EV_ALLOC:
             ptr = e.ptr | (HANDLE_BIT if e.alloc_kind == abi.KIND_HANDLE else 0)
             before = self.table.process(pid)
@@ -1250,6 +1241,35 @@ class Daemon:
             self.memory.meminfo(e)
         elif e.kind == abi.EV_THROTTLE:
             self._throttle(e)
+
+    def _gated(self, pid: int, ts_ns: int, comm: str = "") -> bool:
+        """A process held at cuInit until it is classified: register it and
+        resume it, if this call is the one that claims its hold (its event
+        and the tick's scan of gate_wait may both report it). True if it did."""
+        if not self.probes.claim_gate(pid):
+            return False
+        try:
+            if self.table.resolve(pid) is not None:
+                # Held at cuInit, so BPF has no proc_cfg for it: a new image
+                # whose exec event was lost (ring buffer full). Its old image
+                # is gone.
+                self._exec(pid, ts_ns)
+            self.stopped.add(pid, enforce.proc_start_time(pid), "held at cuInit")
+            try:
+                self._register(pid, ts_ns, comm=comm)
+            finally:
+                self.stopped.remove(pid)
+        finally:
+            enforce.resume(pid)   # exactly once (see memory.MemoryEnforcer)
+        return True
+
+    def _release_gated(self) -> None:
+        """Every process the cuInit probe holds, whether or not its event got
+        through the ring buffer (maps.h, gate_wait)."""
+        for pid in self.probes.gate_waiting():
+            if self._gated(pid, time.monotonic_ns()):
+                self.counters["gate_scan_claims"] += 1
+                self._dirty = True
 
     def _classify(self, pid: int, alive: bool) -> "Classified":
         """Group, limits and device map of ``pid`` from its /proc entries. Each
@@ -2118,6 +2138,8 @@ class Daemon:
         ndev = min(self.devices.count if hasattr(self, "devices") else len(devinfo), hr.MAX_DEVICES)
         live = set()
         for g in snap.groups:
+            if self.table.group(g.id) is None:
+                continue    # deleted since the snapshot: its region went with it
             live.add(g.id)
             first_pid = g.slots[0].pid if g.slots else None
             info = self.info.get(first_pid) if first_pid is not None else None

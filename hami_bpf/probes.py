@@ -387,7 +387,7 @@ class Probes:
         self.map = {name: self.bpf[name] for name in (
             "procs", "proc_cfg", "pmem", "grp_mem", "grp_lim", "allocs", "inflight",
             "ctx_dev", "cur_ctx", "launches", "config", "stats", "sm_grant", "sm_use",
-            "sync_at", "nvml_dev")}
+            "sync_at", "nvml_dev", "gate_wait")}
 
     # attach / detach
 
@@ -711,6 +711,16 @@ class Probes:
 
     def set_graph_cost(self, cost: int) -> None:
         self._set_config_fields(graph_cost=max(1, int(cost)))
+
+    def gate_waiting(self) -> list[int]:
+        """Pids the cuInit probe holds until they are classified (gate_wait)."""
+        return [k.value for k in self.map["gate_wait"].keys()]
+
+    def claim_gate(self, pid: int) -> bool:
+        """Take `pid`'s gate_wait entry: True for the one caller that deleted
+        it, who must resume the process (exactly once)."""
+        return self._lib().bpf_delete_elem(self.map["gate_wait"].map_fd,
+                                           ct.byref(ct.c_uint32(pid))) == 0
 
     def _delete_where(self, name: str, doomed: Callable[[object], bool]) -> int:
         """Delete every key of map `name` for which doomed(key) holds; the

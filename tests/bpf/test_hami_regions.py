@@ -104,9 +104,9 @@ def test_region_follows_the_group(daemon, fakecuda, regions):
     finally:
         u.close()
         t.close()
-    wait_for(lambda: None if not path.exists() else f"{path} still there", 10,
-             what="region file removed with its group")
-    assert not path.parent.exists()
+    # The file, then its directory (two steps: wait for both).
+    wait_for(lambda: None if not path.parent.exists() else f"{path.parent} still there", 10,
+             what="region directory removed with its group")
     assert "Traceback" not in daemon.log()
 
 

@@ -31,6 +31,16 @@ class FakeProbes:
     def __init__(self):
         self.proc_cfg: dict[int, tuple[int, int]] = {}
         self.limits: dict[tuple[int, int], int | None] = {}
+        self.gate_wait: set[int] = set()     # pids the cuInit probe holds
+
+    def gate_waiting(self):
+        return sorted(self.gate_wait)
+
+    def claim_gate(self, pid):
+        if pid in self.gate_wait:
+            self.gate_wait.discard(pid)
+            return True
+        return False
 
     def write_proc_cfg(self, pid, group_index, slot, phys, must_exist=False):
         self.proc_cfg[pid] = (group_index, slot)
@@ -280,8 +290,30 @@ def test_a_registered_process_held_at_cuinit_is_a_new_image(sleeper, monkeypatch
     d.stopped = enforce.StoppedSet(str(tmp_path))
     d._register(sleeper, 0)
     d.probes.proc_cfg.clear()            # what the exec program did
+    d.probes.gate_wait.add(sleeper)      # what the cuInit probe did
     d._handle(_event(abi.EV_INIT, sleeper, abi.F_STOPPED))
     assert d.table.process(sleeper) is not None
     assert sleeper in d.probes.proc_cfg
     assert [e.data["pid"] for e in d.events_log if e.kind == "exec"] == [sleeper]
     assert sleeper not in d.stopped
+
+
+def test_a_hold_at_cuinit_whose_event_was_lost_is_released_by_the_scan(sleeper, monkeypatch,
+                                                                      tmp_path):
+    """The ring buffer was full: no INIT event. The tick's scan of gate_wait
+    registers and resumes the process; its event, should it come late,
+    resumes nothing a second time."""
+    from hami_bpf import enforce
+    resumed = []
+    monkeypatch.setattr(enforce, "resume", resumed.append)
+    monkeypatch.setattr(daemon_mod, "read_environ", lambda pid: ({"G": "g"}, False))
+    d = make_daemon(POLICY)
+    d.stopped = enforce.StoppedSet(str(tmp_path))
+    d.probes.gate_wait.add(sleeper)
+    d._release_gated()
+    assert d.table.process(sleeper) is not None and sleeper in d.probes.proc_cfg
+    assert resumed == [sleeper] and sleeper not in d.stopped
+    assert d.counters["gate_scan_claims"] == 1
+    d._handle(_event(abi.EV_INIT, sleeper, abi.F_STOPPED))
+    d._release_gated()
+    assert resumed == [sleeper]
