@@ -8,7 +8,6 @@ immutable Snapshot, swapped in by reference.
 from __future__ import annotations
 
 import collections
-import errno
 import logging
 import math
 import os
@@ -23,11 +22,12 @@ from pathlib import Path
 
 from . import abi, containers, enforce, kept, procfs
 from .heartbeat import Heartbeat
+from .libwatch import DEFAULT_LIB_GRACE_S, LibraryWatcher, LockError, lock_file
 from .memory import MemoryEnforcer, Place
 from .actions import ClearSlot, Compacted, CreateGroup, DeleteGroup, ReleaseProcess, WriteSlot
 from .config import DaemonConfig, unsafe_chain
 from .devices import Devices, Fallback
-from .events import (GroupLimitSet, LaunchesCounted, MemoryAllocated, MemoryFreed, ProcessExited,
+from .events import (GroupLimitSet, MemoryAllocated, MemoryFreed, ProcessExited,
                      UsageObserved,
                      ProcessRegistered, ProcKey)
 from .limits import (HAMI_DEFAULT_PRIORITY, EnvLimits, PolicyError, clipped, effective_limits,
@@ -59,13 +59,8 @@ REAP_EVERY_S = 1.0
 RECONCILE_EVERY_S = 1.0    # the table's usage checked against the kernel's counters
 MAX_PROCS = 4096           # procs map size (maps.h), part of the kept layout
 SWEEP_EVERY_S = 10.0
-# Finding libcuda files that containers bring (/proc/PID/maps of processes not
-# yet known) runs with the reaper, spaced out so it takes at most this share of
-# one core on a node with many processes.
-LIB_SCAN_DUTY = 0.05
-LIB_GRACE_S = float(os.environ.get("HAMI_BPF_LIB_GRACE_S", "10"))
-LIB_VERIFY_S = 5.0         # an opener of a driver library not mapping it by then is no user
-LIB_RETRY_S = 30.0         # a library we could not attach to is tried again after this
+# Seconds an attached library nobody uses stays attached (libwatch).
+LIB_GRACE_S = float(os.environ.get("HAMI_BPF_LIB_GRACE_S", DEFAULT_LIB_GRACE_S))
 EVENT_LOG_LEN = 2000
 HANDLE_BIT = 1 << 64
 # What a PyTorch process's CUDA context, modules and handles held on an H200
@@ -77,34 +72,6 @@ DEFAULT_CONTEXT_BYTES = 528 << 20   # cuMemCreate handles and device pointers ar
 
 class DaemonError(RuntimeError):
     """A start-up failure the CLI prints as one line (exit 2)."""
-
-
-class LockError(DaemonError):
-    """A library's lock file or its directory is not safe to use."""
-
-
-# One lock per probed library file, here: a directory only root can write
-# (created 0700; its parent is the default state and socket directory).
-LOCK_DIR = "/run/hami-bpf/locks"
-
-
-def _lock_dir() -> str:
-    """LOCK_DIR, made if missing, after checking that it and every directory
-    above it are real directories only root can write (LockError if not)."""
-    for d, mode in ((os.path.dirname(LOCK_DIR), 0o755), (LOCK_DIR, 0o700)):
-        try:
-            os.mkdir(d, mode)
-        except FileExistsError:
-            pass
-        except OSError as e:
-            raise LockError(f"making lock directory {d}: {e.strerror}") from None
-        st = os.lstat(d)
-        if not stat_.S_ISDIR(st.st_mode):
-            raise LockError(f"lock directory {d} is not a directory (a symbolic link?): refused")
-    bad = unsafe_chain(os.path.join(LOCK_DIR, "x"))
-    if bad:
-        raise LockError(f"lock directory {LOCK_DIR}: {bad}: refused")
-    return LOCK_DIR
 
 
 # --- /proc (read through procfs) ---------------------------------------------
@@ -168,21 +135,6 @@ def group_of(pid: int, group_by: str, env: dict[str, str] | None,
         e = env if env is not None else proc_environ(pid)
         return bounded_name(e.get(name) or f"{name}(unset)")
     return bounded_name(cgroup or proc_cgroup(pid) or "(exited)")
-
-
-def pids_mapping(lib: Path) -> list[int]:
-    """Processes that already have this libcuda mapped (dev:inode match)."""
-    try:
-        st = lib.stat()
-    except OSError:
-        return []
-    want = f" {st.st_ino} "
-    out = []
-    for pid in procfs.pids():
-        raw = procfs.maps(pid)
-        if raw and want.encode() in raw and str(lib.name).encode() in raw:
-            out.append(pid)
-    return out
 
 
 def _stopped_tasks(pid: int) -> list[int]:
@@ -308,7 +260,6 @@ class Daemon:
         self.exit_latency_ns: collections.deque[int] = collections.deque(maxlen=10000)
         self.mechanisms: dict[str, str] = {}
         self.simulated = False
-        self.libs: list[Path] = []
         self.policy = None
         # Set from signal handlers, so plain flags: a handler must take no lock
         # (threading.Event.set() does; a second SIGINT arriving while the first
@@ -322,9 +273,6 @@ class Daemon:
         self._snap = Snapshot.empty()
         self._adopting = False
         # Files named like the driver library that export no driver API.
-        self._not_driver: set[tuple[int, int]] = set()
-        # (pid, library) the open gate saw opened -> when to check it is mapped
-        self._lib_verify: dict[tuple[int, tuple[int, int]], float] = {}
         self.heart: Heartbeat | None = None
         self.memory = MemoryEnforcer(place=self._place,
                                      group_used=lambda gi, dev: self.probes.group_used(gi, dev),
@@ -340,21 +288,11 @@ class Daemon:
         self.stopped: enforce.StoppedSet | None = None
         self.oom_action = abi.ACT_OBSERVE
         self.group_by = cfg.group_by
-        # libcuda files per (dev, inode): the configured ones pinned, others
-        # (a container's own driver library) attached at their first user seen
-        # in /proc/PID/maps, through a descriptor we hold (lib_fds: key -> (fd,
-        # "/proc/<our pid>/fd/N")), detached after their last user exits.
-        self.libtrack = containers.LibTracker()
-        self.lib_fds: dict[tuple[int, int], tuple[int, str]] = {}
-        self._lib_idle: dict = {}          # key -> (since, ref): last user gone
-        self._detaching: set = set()       # keys whose probes are being detached
-        self.entry_ok: dict[str, dict[str, tuple[bool, str]]] = {}
-        self._lib_locks: dict[tuple[int, int], int] = {}
-        self._lib_keys: dict[str, tuple[int, int]] = {}       # fd path -> key
-        self._lib_users: dict[int, int] = {}                   # tracked pid -> start time
-        self._lib_refused: dict[tuple[int, int], float] = {}   # key -> retry after (monotonic)
-        self._pinned_files: set[tuple[int, int]] = set()       # os.stat keys of self.libs
-        self._next_lib_scan = 0.0
+        self.watch = LibraryWatcher(
+            probes=lambda: self.probes, record=self.record, counters=self.counters,
+            register=self._register_found, is_registered=lambda pid: self.table.resolve(pid) is not None,
+            registered=lambda: [p.key.pid for p in self.table.processes()],
+            stop_rewrite=lambda: self.oom_action == abi.ACT_STOP_REWRITE, grace_s=LIB_GRACE_S)
         host = os.environ.get("HAMI_BPF_HOST_ROOT") or "/"
         self.pod_names = containers.PodNames(host if os.path.isdir(host) else "/")
 
@@ -371,6 +309,21 @@ class Daemon:
     def events_since(self, since: int) -> list[EventRecord]:
         with self._log_lock:
             return [e for e in self.events_log if e.seq > since]
+
+    @property
+    def libs(self) -> list[Path]:
+        """Every library probed now (libwatch.LibraryWatcher owns the list)."""
+        return self.watch.libs
+
+    @libs.setter
+    def libs(self, value: list[Path]) -> None:
+        self.watch.libs = list(value)
+
+    def _register_found(self, pid: int) -> None:
+        """A user of a library discovery attached to (it may have called
+        cuInit before the probes were there)."""
+        self._register(pid, time.monotonic_ns(), existing=True)
+        self._dirty = True
 
     def snapshot(self) -> Snapshot:
         return self._snap
@@ -521,7 +474,7 @@ class Daemon:
         self.probes.open_events(self._on_event)
         if self._adopting:
             self._adopt()     # before our probes attach: nothing changes the maps meanwhile
-        self.entry_ok: dict[str, dict[str, tuple[bool, str]]] = {}
+        self.watch.entry_ok = {}
         for lib in self.libs:
             syms = libcuda.cuda_symbols(lib)
             try:
@@ -533,9 +486,9 @@ class Daemon:
             if cfg.count_launches:
                 self.probes.attach_launch(str(lib), syms)
             offs = libcuda.symbol_file_offsets(lib, probes.ALLOC_SYMBOLS)
-            self.entry_ok[str(lib)] = {s: enforce.prologue_ok(str(lib), o, s) for s, o in offs.items()}
+            self.watch.entry_ok[str(lib)] = {s: enforce.prologue_ok(str(lib), o, s) for s, o in offs.items()}
             if self.oom_action == abi.ACT_STOP_REWRITE:
-                for s, (ok, why) in self.entry_ok[str(lib)].items():
+                for s, (ok, why) in self.watch.entry_ok[str(lib)].items():
                     if not ok:
                         self.record("fallback", f"stop-rewrite refused for {s}: {why}; a denied "
                                     "call there is let through and counted", symbol=s)
@@ -560,11 +513,8 @@ class Daemon:
                 self.mechanisms["launch_probe_cost"] = f"unknown ({e})"
                 self.record("fallback", f"measuring the launch probe's cost on {lib}: {e}; "
                             "host-bound launchers will run a little under their caps")
-        for lib in list(self.libs):
-            st = lib.stat()
-            self._pinned_files.add((st.st_dev, st.st_ino))
-            self.libtrack.pin(containers.LibRef(st.st_dev, st.st_ino, str(lib), str(lib), 0))
-        self._discover_libs(register=False)   # _scan_existing registers their users
+        self.watch.pin_configured()
+        self.watch.discover(register=False)   # _scan_existing registers their users
         self._recover_bpf_stops()
         self._scan_existing()
         from .server import ServerError, SnapshotServer
@@ -711,37 +661,14 @@ class Daemon:
         the same processes. The lock dies with the process, SIGKILL included."""
         self._locks = []
         for lib in self.libs:
-            fd, path = self._lock_file(lib.stat())
+            try:
+                fd, path = lock_file(lib.stat())
+            except LockError as e:
+                raise DaemonError(str(e)) from None
             if fd is None:
                 raise DaemonError(f"another hami-bpf daemon is attached to {lib} "
                                   f"(lock {path} is held)") from None
             self._locks.append(fd)
-
-    @staticmethod
-    def _lock_file(st: os.stat_result) -> tuple[int | None, str]:
-        """The library's lock (by dev:inode), or None if another daemon holds
-        it. The locks live in a directory only root can write (LOCK_DIR): in a
-        world-writable one anybody could take a lock's name first and keep
-        the daemon from starting. Raises LockError for a lock that is not
-        our plain file (a link, say)."""
-        import fcntl
-        lockdir = _lock_dir()
-        path = f"{lockdir}/{st.st_dev}-{st.st_ino}.lock"
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        except OSError as e:
-            raise LockError(f"opening lock {path}: {e.strerror}"
-                            + (" (a symbolic link: refused)" if e.errno == errno.ELOOP else ""))
-        lst = os.fstat(fd)
-        if not stat_.S_ISREG(lst.st_mode) or lst.st_uid != 0:
-            os.close(fd)
-            raise LockError(f"lock {path} is not a regular file owned by root: refused")
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return None, path
-        return fd, path
 
     def _recover_bpf_stops(self) -> None:
         """Finish what a previous controller left: processes its probes stopped
@@ -754,7 +681,7 @@ class Daemon:
         for lib in self.libs:
             offs = libcuda.symbol_file_offsets(lib, probes.ALLOC_SYMBOLS + probes.LAUNCH_SYMBOLS
                                                + ("cuInit",))
-            for pid in self._lib_pids(lib):
+            for pid in self.watch.pids_of(lib):
                 if pid == os.getpid():
                     continue
                 entries = {}
@@ -782,211 +709,11 @@ class Daemon:
 
     def _scan_existing(self) -> None:
         for lib in self.libs:
-            for pid in self._lib_pids(lib):
+            for pid in self.watch.pids_of(lib):
                 if pid != os.getpid() and self.table.resolve(pid) is None:
                     self._register(pid, time.monotonic_ns(), existing=True)
 
     # -- libcuda files that containers bring ---------------------------------------
-
-    def _lib_pids(self, lib: Path) -> list[int]:
-        """Processes mapping ``lib``: for a library attached through a held
-        descriptor (its path names our fd, not the file) the pids discovery
-        found mapping its (dev, inode); for a configured one, a scan."""
-        key = self._lib_keys.get(str(lib))
-        return sorted(self.libtrack.users(key)) if key else pids_mapping(lib)
-
-    def _discover_libs(self, register: bool = True) -> None:
-        """Attach to libcuda files that processes map and nobody probes yet: a
-        container's own driver library (e.g. CUDA forward compatibility in the
-        image) is another file than the node's, seen only in /proc/PID/maps.
-
-        Cost: one read of /proc/PID/maps per process not registered and not
-        known to map a libcuda already (so never the GPU workloads' large maps,
-        nor their mmap locks), every reaper pass; a pass that takes long
-        pushes the next one out so that discovery uses at most LIB_SCAN_DUTY
-        of one core. A process that maps a library it was not mapping when
-        last read is found at the next pass (~1 s): its calls before that
-        are not seen."""
-        t0 = time.monotonic()
-        skip = set(self._lib_users) | {p.key.pid for p in self.table.processes()}
-        skip.add(os.getpid())
-        found = []
-        scanned = containers.scan_libcuda(skip=skip)
-        # Only the scan counts against LIB_SCAN_DUTY (attaching takes longer, once).
-        self._next_lib_scan = t0 + (time.monotonic() - t0) / LIB_SCAN_DUTY
-        for pid, refs in sorted(scanned.items()):
-            st = enforce.proc_start_time(pid)
-            if st is None:
-                continue
-            for ref in refs:
-                if not self.libtrack.tracked(ref.key) and (
-                        ref.deleted or t0 < self._lib_refused.get(ref.key, 0.0)):
-                    continue
-                if self.libtrack.add(pid, ref):
-                    self._attach_lib(ref)
-                if self.libtrack.tracked(ref.key):   # not if its attach failed
-                    self._lib_users[pid] = st
-                    found.append((pid, ref.key))
-        if register:
-            # A process may have called cuInit before we attached: register
-            # every user of a library we probe through a held descriptor.
-            for pid, key in found:
-                if key in self.lib_fds and self.table.resolve(pid) is None:
-                    self._register(pid, time.monotonic_ns(), existing=True)
-                    self._dirty = True
-
-    def _lib_opened(self, e: abi.Event) -> None:
-        """The open gate stopped a process that opened a file named like the
-        driver library: probe that file (if it is a driver library nobody
-        probes yet) before the process can map it, then resume it, exactly
-        once. The configured library and ones probed already cost a stat."""
-        from . import libcuda
-        pid = e.tgid
-        self.counters["lib_opens"] += 1
-        try:
-            ref = containers.opened_lib(pid, int(e.aux))
-            if ref is None or ref.key in self._pinned_files or ref.key in self._not_driver:
-                return
-            if not self.libtrack.tracked(ref.key):
-                try:
-                    driver = "cuMemAlloc_v2" in libcuda.cuda_symbols(ref.host_path)
-                except (libcuda.LibcudaError, OSError):
-                    driver = False     # not an ELF, or gone: nothing to probe
-                if not driver:
-                    self._not_driver.add(ref.key)
-                    return
-                self.counters["lib_opens_probed"] += 1
-            st = enforce.proc_start_time(pid)
-            if self.libtrack.add(pid, ref):
-                self._attach_lib(ref)
-            if self.libtrack.tracked(ref.key) and st is not None:
-                self._lib_users[pid] = st
-                # An open is not a mapping (a tool reading the file): a
-                # process that has not mapped it soon after is no user of it.
-                self._lib_verify[(pid, ref.key)] = time.monotonic() + LIB_VERIFY_S
-        except Exception as err:  # noqa: BLE001 - the process must be resumed whatever happened
-            self.counters["handler_errors"] += 1
-            self.record("error", f"pid {pid}: probing the driver library it opened: "
-                        f"{type(err).__name__}: {err}", pid=pid)
-        finally:
-            enforce.resume(pid)
-
-    def _attach_lib(self, ref: containers.LibRef) -> bool:
-        """Attach the probes to ``ref`` through a descriptor we hold open: bcc
-        detaches by re-reading the ELF at the path it attached with, and the
-        container's /proc/PID/root/... disappears with the container."""
-        from . import libcuda, probes
-        if ref.key in self._lib_idle:          # a new user within the grace time
-            del self._lib_idle[ref.key]
-            return True
-        deadline = time.monotonic() + 30
-        while ref.key in self._detaching and time.monotonic() < deadline:
-            time.sleep(0.05)   # rare: old probes still fire; attaching now would count twice
-        try:
-            fd = os.open(ref.host_path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as e:
-            return self._refuse_lib(ref, f"opening {ref.host_path}: {e.strerror}")
-        st = os.fstat(fd)
-        if (st.st_dev, st.st_ino) in self._pinned_files:
-            # A configured library that maps shows under another dev (btrfs,
-            # overlayfs): probed already; a second attach would count twice.
-            os.close(fd)
-            self.libtrack.pin(ref)
-            return False
-        try:
-            lock, lock_path = self._lock_file(st)
-        except LockError as e:
-            os.close(fd)
-            return self._refuse_lib(ref, str(e), kind="config")
-        if lock is None:
-            os.close(fd)
-            return self._refuse_lib(ref, f"another hami-bpf daemon is attached to it (lock "
-                                         f"{lock_path} is held)", kind="config")
-        path = procfs.fd_path(fd)
-        try:
-            syms = libcuda.cuda_symbols(path)
-            a = self.probes.attach_core(path, syms)
-            if self.probes.launch_probes_attached() > 0:
-                self.probes.attach_launch(path, syms)
-            offs = libcuda.symbol_file_offsets(path, probes.ALLOC_SYMBOLS)
-        except (probes.ProbeError, libcuda.LibcudaError, OSError, ValueError) as e:
-            def _close(fd=fd, lock=lock):
-                os.close(fd)
-                os.close(lock)
-            self.probes.detach_core(path, then=_close)
-            return self._refuse_lib(ref, str(e))
-        self.entry_ok[path] = {s: enforce.prologue_ok(path, o, s) for s, o in offs.items()}
-        if self.oom_action == abi.ACT_STOP_REWRITE:
-            for s, (ok, why) in self.entry_ok[path].items():
-                if not ok:
-                    self.record("fallback", f"stop-rewrite refused for {s} in {ref}: {why}; a "
-                                "denied call there is let through and counted", symbol=s)
-        self.lib_fds[ref.key] = (fd, path)
-        self._lib_locks[ref.key] = lock
-        self._lib_keys[path] = ref.key
-        self.libs.append(Path(path))
-        self.record("probes", f"attached {len(a.core)} probes to {ref}, mapped by pid {ref.pid} "
-                    f"(through {path})", pid=ref.pid, lib=ref.path)
-        return True
-
-    def _refuse_lib(self, ref: containers.LibRef, why: str, kind: str = "error") -> bool:
-        self.libtrack.forget(ref.key)
-        self._lib_refused[ref.key] = time.monotonic() + LIB_RETRY_S
-        self.record(kind, f"not attaching to {ref}, mapped by pid {ref.pid}: {why}", pid=ref.pid,
-                    lib=ref.path)
-        return False
-
-    def _verify_lib_users(self, now: float) -> None:
-        """Users the open gate recorded are users only if they map the file."""
-        for (pid, key), due in list(self._lib_verify.items()):
-            if now < due:
-                continue
-            del self._lib_verify[(pid, key)]
-            if key in {r.key for r in containers.mapped_libcuda(pid)}:
-                continue
-            lib = self.libtrack.remove_user(pid, key)
-            if lib is not None and key in self.lib_fds:
-                self._lib_idle[key] = (now, lib)
-            if not self.libtrack.keys_of(pid):
-                self._lib_users.pop(pid, None)
-
-    def _lib_release(self, pid: int) -> None:
-        """``pid`` exited: a library it was the last user of goes idle; it is
-        detached after LIB_GRACE_S unless a new user comes (a restarting
-        container must not pay seconds of detach and re-attach)."""
-        self._lib_users.pop(pid, None)
-        for ref in self.libtrack.remove_pid(pid):
-            if ref.key in self.lib_fds:
-                self._lib_idle[ref.key] = (time.monotonic(), ref)
-
-    def _detach_idle_libs(self, now: float) -> None:
-        for key, (since, ref) in list(self._lib_idle.items()):
-            if now - since >= LIB_GRACE_S:
-                del self._lib_idle[key]
-                self._detach_lib(ref)
-
-    def _detach_lib(self, ref) -> None:
-        fd, path = self.lib_fds.pop(ref.key, (None, None))
-        if fd is not None:
-            self.libs = [lib for lib in self.libs if str(lib) != path]
-            self.entry_ok.pop(path, None)
-            self._lib_keys.pop(path, None)
-            lock = self._lib_locks.pop(ref.key, None)
-            if lock is not None:
-                # Now: a new user of the same file may come before the detach
-                # ends, and our own lock would refuse our re-attach.
-                os.close(lock)
-            # In the background, with the fd (which names the library) kept
-            # open until the last detach has re-read it. Until then the old
-            # probes still fire: a re-attach to the same file waits (_attach_lib).
-            self._detaching.add(ref.key)
-
-            def _done(fd=fd, key=ref.key):
-                os.close(fd)
-                self._detaching.discard(key)
-            self.probes.detach_core(path, then=_done)
-            self.record("probes", f"detaching from {ref}: no process used it for "
-                        f"{LIB_GRACE_S:g} s", lib=ref.path)
 
     # -- the loop ------------------------------------------------------------
 
@@ -1180,9 +907,7 @@ class Daemon:
                     kept.write_owner(self.cfg.state_dir, closer=self.probes.closer_pid)
                 except OSError as e:
                     log.warning("recording the probes' closer in %s: %s", self.cfg.state_dir, e)
-        for fd, _path in self.lib_fds.values():   # after the probes: they detach through them
-            os.close(fd)
-        self.lib_fds.clear()
+        self.watch.close()                # after the probes: they detach through its fds
 
     # -- events from BPF -------------------------------------------------------
 
@@ -1210,7 +935,7 @@ class Daemon:
             self._exec(pid, e.ts_ns)
             return
         if e.kind == abi.EV_LIBOPEN:
-            self._lib_opened(e)
+            self.watch.opened(e)
             return
         if e.kind == abi.EV_INIT and e.flags & abi.F_STOPPED:
             self._gated(pid, e.ts_ns, e.comm.decode(errors="replace"))
@@ -1914,7 +1639,7 @@ class Daemon:
         if self.table.resolve(pid) is None:
             return
         self._act(self.table.apply(ProcessExited(pid, None, ts_ns)))
-        self._lib_release(pid)
+        self.watch.release(pid)
         lat = max(0, time.monotonic_ns() - ts_ns)
         self.exit_latency_ns.append(lat)
         observe_exit_latency(self.counters, lat)
@@ -1931,7 +1656,7 @@ class Daemon:
         self.record("exec", f"pid {pid} ({view.comm}) replaced its image: released from group "
                     f"{view.group!r}", pid=pid, group=view.group)
         self._act(self.table.apply(ProcessExited(pid, None, ts_ns)))
-        self._lib_release(pid)
+        self.watch.release(pid)
 
     def _act(self, actions, new_pid: int | None = None, existing: bool = False) -> None:
         self._after_release = []
@@ -2011,13 +1736,7 @@ class Daemon:
                 self._dirty = True
         # Users of libraries found by discovery that are not registered (or
         # whose exit event was lost): gone or reused -> maybe detach.
-        self._verify_lib_users(time.monotonic())
-        for pid, st in list(self._lib_users.items()):
-            if enforce.proc_start_time(pid) != st:
-                self._lib_release(pid)
-        self._detach_idle_libs(time.monotonic())
-        if time.monotonic() >= self._next_lib_scan:
-            self._discover_libs()
+        self.watch.housekeeping(time.monotonic())
 
     def _rebuild_snapshot(self) -> None:
         self._dirty = False

@@ -150,7 +150,7 @@ def test_lock_names_in_the_old_world_writable_place_do_not_matter(fakecuda, tmp_
 
 
 def test_a_link_in_place_of_a_lock_is_refused(fakecuda, tmp_path):
-    from hami_bpf.daemon import LOCK_DIR
+    from hami_bpf.libwatch import LOCK_DIR
     fake = _own_lib(fakecuda, tmp_path)
     st = os.stat(fake.libcuda)
     os.makedirs(LOCK_DIR, 0o700, exist_ok=True)
