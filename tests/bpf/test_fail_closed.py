@@ -155,6 +155,10 @@ def test_a_link_in_place_of_a_lock_is_refused(fakecuda, tmp_path):
     st = os.stat(fake.libcuda)
     os.makedirs(LOCK_DIR, 0o700, exist_ok=True)
     lock = Path(LOCK_DIR) / f"{st.st_dev}-{st.st_ino}.lock"
+    # A lock file of an earlier library with the same inode number (tmpfs
+    # reuses them) is nobody's now: the link takes its place.
+    if lock.is_symlink() or lock.exists():
+        lock.unlink()
     target = tmp_path / "elsewhere"
     lock.symlink_to(target)
     try:

@@ -7,7 +7,8 @@ a burst of work does not open.
 * a process retrying an allocation over its limit as fast as it can gets
   CUDA_ERROR_OUT_OF_MEMORY every time (none admitted: the heartbeat does not
   depend on how much work the daemon has queued), and its retries are paced;
-* a process that starts in a limited group during a storm is limited.
+* a process that starts in a limited group during a storm is limited, also
+  40 of them while other processes flood the ring buffer.
 """
 from __future__ import annotations
 
@@ -97,7 +98,7 @@ def test_newcomers_during_an_alloc_free_storm_are_limited_from_their_first_alloc
         before = daemon.snapshot()["counters"]
         for t in stormers:
             t.proc.send("stress 1 40000 4096")
-        for _ in range(12):
+        for _ in range(40):
             newcomers.append(Tracked.spawn(fakecuda, gname("storm")))
         for t in newcomers:
             rc, _ = t.alloc(f"alloc {2 * LIMIT}", 0, expect_rc=None)
