@@ -6,7 +6,8 @@ import sys
 
 import click
 
-from hami_bpf.config import (DEFAULT_FALLBACK_DEVICES, DEFAULT_FALLBACK_TOTAL_MEM, DEFAULT_PIN_DIR, DEFAULT_SM_TURN_MS, DEFAULT_SOCKET, DEFAULT_STATE_DIR, OOM_ACTIONS,
+from hami_bpf.config import (DEFAULT_FALLBACK_DEVICES, DEFAULT_FALLBACK_TOTAL_MEM, DEFAULT_LIB_GRACE_S,
+                             DEFAULT_PIN_DIR, DEFAULT_SM_TURN_MS, DEFAULT_SOCKET, DEFAULT_STATE_DIR, OOM_ACTIONS,
                              DaemonConfig, parse_group_by, parse_host_port)
 
 from .common import CliError
@@ -137,11 +138,14 @@ class UnixGroupType(click.ParamType):
 @click.option("--sim-gpu", "sim_gpu", default=None, metavar="PATH", hidden=True,
               help="The stand-in libcuda's simulated GPU (its shared file), whose "
                    "utilization stands for NVML's.")
+@click.option("--lib-grace-s", "lib_grace_s", type=click.FloatRange(0.1, 3600),
+              default=DEFAULT_LIB_GRACE_S, show_default=True, hidden=True,
+              help="Seconds a discovered driver library nobody uses stays attached.")
 @click.option("-v", "--verbose", is_flag=True, help="Log debug details.")
 def run(libcuda, group_by, socket_path, count_launches, policy, env_limits, oom_action,
         metrics_addr, socket_group, demo, state_dir, pin_dir, keep_state, fresh, context_bytes,
         sm_limits, sm_lend_idle, sm_turns, sm_turn_ms, sm_learn_alone, open_gate, hami_regions,
-        fallback_devices, fallback_total_mem, sim_gpu, verbose):
+        fallback_devices, fallback_total_mem, sim_gpu, lib_grace_s, verbose):
     """Start the daemon: attach probes, keep the slot table, serve the socket."""
     if os.geteuid() != 0:
         raise CliError("run needs root (CAP_BPF, CAP_PERFMON)")
@@ -154,7 +158,8 @@ def run(libcuda, group_by, socket_path, count_launches, policy, env_limits, oom_
                        sm_turn_ms=sm_turn_ms, sm_learn_alone=sm_learn_alone, open_gate=open_gate,
                        hami_regions=hami_regions, pin_dir=pin_dir if keep_state else None,
                        fresh=fresh, fallback_devices=fallback_devices,
-                       fallback_total_mem=fallback_total_mem, sim_gpu=sim_gpu)
+                       fallback_total_mem=fallback_total_mem, sim_gpu=sim_gpu,
+                       lib_grace_s=lib_grace_s)
     # Imported here: the daemon pulls in bcc, which the other commands must not need.
     from hami_bpf import daemon
     try:

@@ -82,6 +82,9 @@ def parse_host_port(value: str, allow_zero: bool = False) -> tuple[str, int]:
 # own defaults.
 DEFAULT_FALLBACK_DEVICES = 2
 DEFAULT_FALLBACK_TOTAL_MEM = 16 << 30
+# Seconds an attached driver library nobody uses stays attached (a restarting
+# container must not pay a detach and a re-attach).
+DEFAULT_LIB_GRACE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,7 @@ class DaemonConfig:
     fallback_devices: int = DEFAULT_FALLBACK_DEVICES    # devices assumed where NVML does not answer
     fallback_total_mem: int = DEFAULT_FALLBACK_TOTAL_MEM  # ... and each one's memory
     sim_gpu: str | None = None           # the simulated GPU's file (stand-in libcuda): its utilization
+    lib_grace_s: float = DEFAULT_LIB_GRACE_S  # an attached library nobody uses is detached after this
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "libcuda", tuple(self.libcuda))

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from . import abi, containers, enforce, kept, procfs
 from .heartbeat import Heartbeat
-from .libwatch import DEFAULT_LIB_GRACE_S, LibraryWatcher, LockError, lock_file
+from .libwatch import LibraryWatcher, LockError, lock_file
 from .memory import MemoryEnforcer, Place
 from .actions import ClearSlot, Compacted, CreateGroup, DeleteGroup, ReleaseProcess, WriteSlot
 from .config import DaemonConfig, unsafe_chain
@@ -59,8 +59,6 @@ REAP_EVERY_S = 1.0
 RECONCILE_EVERY_S = 1.0    # the table's usage checked against the kernel's counters
 MAX_PROCS = 4096           # procs map size (maps.h), part of the kept layout
 SWEEP_EVERY_S = 10.0
-# Seconds an attached library nobody uses stays attached (libwatch).
-LIB_GRACE_S = float(os.environ.get("HAMI_BPF_LIB_GRACE_S", DEFAULT_LIB_GRACE_S))
 EVENT_LOG_LEN = 2000
 HANDLE_BIT = 1 << 64
 # What a PyTorch process's CUDA context, modules and handles held on an H200
@@ -292,7 +290,7 @@ class Daemon:
             probes=lambda: self.probes, record=self.record, counters=self.counters,
             register=self._register_found, is_registered=lambda pid: self.table.resolve(pid) is not None,
             registered=lambda: [p.key.pid for p in self.table.processes()],
-            stop_rewrite=lambda: self.oom_action == abi.ACT_STOP_REWRITE, grace_s=LIB_GRACE_S)
+            stop_rewrite=lambda: self.oom_action == abi.ACT_STOP_REWRITE, grace_s=cfg.lib_grace_s)
         host = os.environ.get("HAMI_BPF_HOST_ROOT") or "/"
         self.pod_names = containers.PodNames(host if os.path.isdir(host) else "/")
 

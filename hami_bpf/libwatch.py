@@ -25,14 +25,13 @@ from pathlib import Path
 from typing import Callable, Iterable, MutableMapping
 
 from . import abi, containers, enforce, procfs
-from .config import unsafe_chain
+from .config import DEFAULT_LIB_GRACE_S, unsafe_chain
 
 log = logging.getLogger("hami_bpf")
 
 LIB_SCAN_DUTY = 0.05       # share of one core the /proc scan may use
 LIB_VERIFY_S = 5.0         # an opener of a driver library not mapping it by then is no user
 LIB_RETRY_S = 30.0         # a library we could not attach to is tried again after this
-DEFAULT_LIB_GRACE_S = 10.0  # a library's last user gone this long: detached
 
 
 class LockError(Exception):

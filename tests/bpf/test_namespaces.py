@@ -238,15 +238,7 @@ GRACE_S = 2.0
 def daemon(fakecuda):
     # A library whose last user left stays attached this long (reuse by a
     # restarting container), then is detached in the background.
-    old = os.environ.get("HAMI_BPF_LIB_GRACE_S")
-    os.environ["HAMI_BPF_LIB_GRACE_S"] = str(GRACE_S)
-    try:
-        d = Daemon(fakecuda).start()     # --libcuda = the host's file only
-    finally:
-        if old is None:
-            del os.environ["HAMI_BPF_LIB_GRACE_S"]
-        else:
-            os.environ["HAMI_BPF_LIB_GRACE_S"] = old
+    d = Daemon(fakecuda, extra=["--lib-grace-s", str(GRACE_S)]).start()   # --libcuda: the host's file
     yield d
     finish_daemon(d)
 
