@@ -356,7 +356,7 @@ class LibraryWatcher:
                 os.close(lock)
             # In the background, with the fd (which names the library) kept
             # open until the last detach has re-read it. Until then the old
-            # probes still fire: a re-attach to the same file waits (_attach_lib).
+            # probes still fire: a re-attach to the same file waits (_attach).
             self._detaching.add(ref.key)
 
             def _done(fd=fd, key=ref.key):
