@@ -248,7 +248,8 @@ class Daemon:
         self.sm_share: dict[tuple[int, int], float | None] = {}
         # Groups that synchronize often are paced by time (sm.duty), the
         # rest by the launch budget (self.budgets).
-        self.duty = duty.DutyPacer()
+        self.duty = duty.DutyPacer(quantum_s=cfg.sm_hold_ms / 1000,
+                                    max_hold_s=max(duty.MAX_HOLD_S, 2 * cfg.sm_hold_ms / 1000))
         self.guard = guard.Guard()        # the launch budget checked against the GPU
         self._duty_next: float | None = None
         self.events_log: collections.deque[EventRecord] = collections.deque(maxlen=EVENT_LOG_LEN)
@@ -1286,7 +1287,7 @@ class Daemon:
                               consumed, n_launch, completed, granted, group in self.throttled,
                               self.counters["holds_cut_short"], self.counters["throttle_episodes"])
             held_for = now - self.throttle_since.get(group, now)
-            if group in self.throttled and (room or held_for > MAX_HOLD_S):
+            if group in self.throttled and (room or held_for > self.duty.max_hold_s):
                 if g.index in paced.cut_short or not room and not any(
                         k[0] == g.index and use.get(k, (0,))[0] for k in holds):
                     # A hold must never outlive one refill period: whatever the

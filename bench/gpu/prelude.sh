@@ -20,6 +20,7 @@ start_daemon() {
   DPID=$!
   for _ in $(seq 1 240); do
     [ "$(grep -c "ready" "$OUT/daemon.log" 2>/dev/null)" -gt "${before:-0}" ] && return
+    kill -0 "$DPID" 2>/dev/null || { echo "daemon exited before ready"; tail -5 "$OUT/daemon.log"; exit 1; }
     sleep 0.25
   done
   echo "daemon not ready after 60 s"; tail -5 "$OUT/daemon.log"

@@ -10,7 +10,8 @@
 # Usage: [KINDS="small matmul graph"] [CAPS="25 50 75"] bash bench/gpu/sm_inproc.sh
 . bench/gpu/prelude.sh
 MARK=${MARK:-4}; SETTLE=${SETTLE:-3}; SECONDS_RUN=${SECONDS_RUN:-12}
-P=/tmp/hami-inproc-policy.toml
+# The daemon refuses a policy file in a directory others can write (/tmp).
+mkdir -p -m 700 /run/hami-bench && P=/run/hami-bench/inproc-policy.toml
 policy() {   # root-owned, 0600: the daemon refuses anything else
   (umask 077; printf '%s\n' "$1" > "$P"); chown root:root "$P"; chmod 600 "$P"
 }

@@ -4,16 +4,17 @@
 # cap while it runs (policy file + SIGHUP): uncapped, 25, uncapped, 50,
 # uncapped, 75, uncapped. Then, unless SECTIONS says otherwise, the pairs of
 # bench/gpu/suite.sh (each side against its own reference run).
-# Usage: [AB_WORKLOADS="llm_decode cnn_train jax_train phased"] [CAPS="25 50 75"]
+# Usage: [DAEMON_ARGS="--sm-hold-ms 100"] [AB_WORKLOADS="llm_decode cnn_train jax_train phased"] [CAPS="25 50 75"]
 #        [AB_REF_S=6] [AB_CAP_S=9] [SECTIONS="ab pair"] bash bench/gpu/suite_ab.sh
 # Results in $OUT: ab.jsonl, ab.md, ab-<workload>.log, daemon.log (+ the pair files).
 T0=$(date +%s)
 SECTIONS=${SECTIONS:-ab pair}
 . bench/gpu/prelude.sh
-P=/tmp/hami-ab-policy.toml
+# The daemon refuses a policy file in a directory others can write (/tmp).
+mkdir -p -m 700 /run/hami-bench && P=/run/hami-bench/ab-policy.toml
 (umask 077; printf '[[group]]\nmatch = "nobody"\nmemory = "1Gi"\n' > "$P"); chown root:root "$P"
 case " $SECTIONS " in *" ab "*)
-  start_daemon --sm-limits -v --policy "$P"
+  start_daemon --sm-limits -v --policy "$P" ${DAEMON_ARGS:-}
   echo "daemon ready after $(( $(date +%s) - T0 )) s"
   python3 bench/gpu/suite_ab.py --policy "$P" --daemon-pid "$DPID" --out "$OUT" > "$OUT/ab.jsonl"
   sed -n '/^|/,$p' "$OUT/ab.jsonl" | tee "$OUT/ab.md"

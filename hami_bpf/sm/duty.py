@@ -144,7 +144,9 @@ def _sync_rate(k: _Key, now: float) -> float:
 class DutyPacer:
     """Keeps the books of every capped (group, device); `step` once per tick."""
 
-    def __init__(self) -> None:
+    def __init__(self, quantum_s: float = QUANTUM_S, max_hold_s: float = MAX_HOLD_S) -> None:
+        self.quantum_s = quantum_s
+        self.max_hold_s = max(max_hold_s, quantum_s)
         self._keys: dict[tuple[int, int], _Key] = {}
         self._asked: set[int] = set()       # groups asked to stop at the last step
         self._holding: set[int] = set()     # held groups whose hold this pacer asked for
@@ -175,6 +177,10 @@ class DutyPacer:
         for key, cap in obs.caps.items():
             u = obs.use.get(key, Use(0, 0))
             k = self._keys.get(key)
+            if k is not None and (u.syncs < k.syncs or u.consumed < k.consumed):
+                # Its counters started over (the cap went and came back, and
+                # the probes' entry with it): so do its books.
+                k = None
             if k is None:
                 k = self._keys[key] = _Key(cap=cap, t=now, consumed=u.consumed, syncs=u.syncs)
                 k.sync_marks.append((now, u.syncs, 0.0))
@@ -207,7 +213,7 @@ class DutyPacer:
                 k.asked_since = None
                 changes.append((key, mode))
             ask = Ask.NONE
-            if k.mode is Mode.DUTY and not held and k.debt >= QUANTUM_S:
+            if k.mode is Mode.DUTY and not held and k.debt >= self.quantum_s:
                 if k.asked_since is None:
                     k.asked_since = now
                 ask = Ask.LAUNCH if now - k.asked_since >= FORCE_AFTER_S else Ask.SYNC
@@ -230,7 +236,7 @@ class DutyPacer:
                 continue    # held by the launch budget, or by someone else's rule
             owed = max((k.debt for k in mine.values()), default=0.0)
             devices = {key[1] for key in mine}
-            if now - since >= MAX_HOLD_S - DUE_EPS_S:
+            if now - since >= self.max_hold_s - DUE_EPS_S:
                 release.add(gi)
                 if owed > DUE_EPS_S or devices & running:
                     cut.add(gi)
@@ -239,7 +245,7 @@ class DutyPacer:
                 release.add(gi)
                 running |= devices
             else:
-                due = now + min(max(owed, DUTY_WAIT_S), MAX_HOLD_S - (now - since))
+                due = now + min(max(owed, DUTY_WAIT_S), self.max_hold_s - (now - since))
                 next_step = due if next_step is None else min(next_step, due)
         return Decision(keys=decisions, release=frozenset(release), cut_short=frozenset(cut),
                         mode_changes=tuple(changes), next_step=next_step)
