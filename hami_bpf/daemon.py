@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import abi, containers, enforce, kept, procfs
+from . import __version__, abi, containers, enforce, kept, procfs
 from .heartbeat import Heartbeat
 from .libwatch import LibraryWatcher, LockError, lock_file
 from .memory import MemoryEnforcer, Place
@@ -258,6 +258,7 @@ class Daemon:
         self.counters: collections.Counter[str] = collections.Counter()
         self.exit_latency_ns: collections.deque[int] = collections.deque(maxlen=10000)
         self.mechanisms: dict[str, str] = {}
+        self._previous_version: str | None = None   # of the daemon whose kept state we adopt
         self.simulated = False
         self.policy = None
         # Set from signal handlers, so plain flags: a handler must take no lock
@@ -370,6 +371,7 @@ class Daemon:
         self.oom_action = {"return-oom": abi.ACT_RETURN_OOM, "stop-rewrite": abi.ACT_STOP_REWRITE,
                            "kill": abi.ACT_KILL, "observe": abi.ACT_OBSERVE}[want]
         self.mechanisms = {
+            "daemon": f"hami-bpf {__version__}",
             "oom": want,
             "meminfo": meminfo,
             "exit": "tracepoint sched_process_exit",
@@ -573,6 +575,7 @@ class Daemon:
         """The previous daemon's probes must be gone before ours attach and
         before its maps are read: both would count every call otherwise."""
         cfg = self.cfg
+        self._previous_version = kept.predecessor_version(cfg.state_dir)
         left = kept.wait_for_predecessor(cfg.state_dir,
                                          said=lambda m: self.record("state", m))
         if left:
@@ -626,7 +629,8 @@ class Daemon:
                     f"{moved} moved to another group", adopted=len(a.live),
                     adopted_bytes=a.bytes_adopted, exited=len(a.dead),
                     released_bytes=a.bytes_released, reservations=len(a.reservations),
-                    moved=moved, threads_forgotten=threads)
+                    moved=moved, threads_forgotten=threads, version=__version__,
+                    previous_version=self._previous_version)
 
     def _reconcile(self) -> None:
         """The kernel's per-process counters (pmem) are authoritative: the

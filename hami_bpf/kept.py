@@ -144,8 +144,9 @@ def _start_ticks(pid: int) -> int | None:
 
 def write_owner(state_dir: str, closer: int | None = None) -> None:
     """Record this daemon (and the child that closes its probes) for the next one."""
+    from . import __version__
     me = os.getpid()
-    rec = {"pid": me, "start": _start_ticks(me)}
+    rec = {"pid": me, "start": _start_ticks(me), "version": __version__}
     if closer:
         rec.update(closer=closer, closer_start=_start_ticks(closer))
     path = os.path.join(state_dir, OWNER_FILE)
@@ -169,6 +170,16 @@ def predecessors(state_dir: str) -> list[tuple[int, int | None]]:
         if isinstance(pid, int) and pid > 0 and pid != os.getpid():
             out.append((pid, st if isinstance(st, int) else None))
     return out
+
+
+def predecessor_version(state_dir: str) -> str | None:
+    """The version of the daemon that last recorded itself here (None: unknown)."""
+    try:
+        with open(os.path.join(state_dir, OWNER_FILE)) as f:
+            v = json.load(f).get("version")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return v[:64] if isinstance(v, str) else None
 
 
 def wait_for_predecessor(state_dir: str, timeout: float = PREDECESSOR_WAIT_S,

@@ -18,7 +18,7 @@ import pytest
 
 from hami_bpf.heartbeat import DENY_BACKOFF_MAX_S
 from helpers import (DEADLINES, Daemon, Tracked, converge, finish_daemon, gname, remove_pin_dir,
-                     stopped_pids, wait_for, write_policy)
+                     slot_problems, stopped_pids, wait_for, write_policy)
 
 pytestmark = pytest.mark.bpf
 
@@ -236,3 +236,125 @@ def test_paced_denials_are_answered_at_shutdown(fakecuda, policy, workdir):
             d.stop()
         a.mark_dead()
         a.close()
+
+
+def _previous_checkout(into: Path) -> str:
+    """A second checkout of this tree whose version says it is an older
+    release: the files a daemon runs from (hami_bpf, cli, bpf_programs,
+    bench/hami.py), copied, and a `hami-bpf` that runs them."""
+    import shutil
+    import sys
+    root = Path(__file__).resolve().parents[2]
+    skip = shutil.ignore_patterns("__pycache__", "*.egg-info")
+    for part in ("hami_bpf", "cli", "bpf_programs"):
+        shutil.copytree(root / part, into / part, ignore=skip)
+    (into / "bench").mkdir()
+    shutil.copy2(root / "bench" / "hami.py", into / "bench" / "hami.py")
+    init = into / "hami_bpf" / "__init__.py"
+    text = init.read_text()
+    assert '__version__ = "' in text
+    init.write_text(text.replace('__version__ = "', '__version__ = "0.0.0+previous-', 1))
+    wrapper = into / "hami-bpf"
+    wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} {into}/bench/hami.py "$@"\n')
+    wrapper.chmod(0o700)
+    return str(wrapper)
+
+
+def test_a_new_version_takes_over_from_another_checkout(fakecuda, policy, workdir):
+    """Live upgrade: the daemon of one checkout (an older release) runs while
+    processes allocate and one of them launches under an SM cap; it is stopped
+    as a rollout stops it and this checkout's daemon takes over its kept maps.
+    Byte-exact per process and group, the limit counts the old bytes, an old
+    allocation frees, and nothing is left stopped."""
+    from hami_bpf import __version__
+    from helpers import Launching
+    old_tree = workdir / "previous"
+    old_tree.mkdir()
+    old = Daemon(fakecuda, policy=policy, workdir=workdir,
+                 command=_previous_checkout(old_tree)).start()
+    assert old.snapshot()["mechanisms"]["daemon"].startswith("hami-bpf 0.0.0+previous-")
+    new = None
+    g, capped = gname("keep"), gname("keep")
+    try:
+        with Tracked.spawn(fakecuda, g) as a, Tracked.spawn(fakecuda, g) as b, \
+                Tracked.spawn(fakecuda, capped, env={"CUDA_DEVICE_SM_LIMIT": "30"}) as c:
+            _, big = a.alloc(f"alloc {24 * MiB}", 0)
+            b.alloc(f"alloc {16 * MiB}", 0)
+            c.alloc(f"alloc {4 * MiB}", 0)
+            snap = converge(old, [a, b, c])
+            before = {p["pid"]: p["devices"] for p in snap["processes"]}
+            run = Launching(c.proc, 1_000_000_000)   # until killed
+            wait_for(lambda: None if old.snapshot()["counters"].get("throttle_episodes", 0)
+                     else "the capped process was not held yet", 30,
+                     what="an SM hold before the upgrade", deadlines=old.deadlines)
+
+            assert old.stop() == 0, old.log()[-2000:]
+            new = Daemon(fakecuda, policy=policy, workdir=workdir).start()
+            assert new.snapshot()["mechanisms"]["daemon"] == f"hami-bpf {__version__}"
+            adopt = _events(new, "adopt")[-1]["data"]
+            assert adopt["previous_version"].startswith("0.0.0+previous-")
+            assert adopt["version"] == __version__
+            assert adopt["adopted"] >= 3
+
+            snap = converge(new, [a, b, c])
+            assert {p["pid"]: p["devices"] for p in snap["processes"]
+                    if p["pid"] in before} == before
+            assert _group_used(snap, a.pid) == 40 * MiB
+            assert a.alloc(f"alloc {25 * MiB}", 0, expect_rc=None)[0] == OOM
+            b.alloc(f"alloc {24 * MiB}", 0)      # exactly the limit
+            a.free(big)
+            a.alloc(f"alloc {24 * MiB}", 0)
+            converge(new, [a, b, c])
+            # the cap holds under the new daemon too, and its holds end
+            wait_for(lambda: None if new.snapshot()["counters"].get("throttle_episodes", 0) >= 2
+                     else f"the capped process was not held again (still launching: {run.t.is_alive()})", 30,
+                     what="SM holds after the upgrade", deadlines=new.deadlines)
+            c.proc.kill()
+            run.t.join(30)
+            c.mark_dead()
+            time.sleep(2.0)
+            assert not stopped_pids() & {a.pid, b.pid}, "left stopped after the upgrade"
+    finally:
+        if new is not None:
+            finish_daemon(new)
+        if old.proc and old.proc.poll() is None:
+            old.stop()
+
+
+def test_three_hundred_processes_churn_across_two_restarts(fakecuda, policy, workdir):
+    """300 processes start, allocate and exit, some while the daemon runs and
+    some while it is restarting (twice): every live process's usage is exact
+    after each restart, the group's is their sum, and the processes that exited
+    while no daemon ran gave their bytes back."""
+    g = gname("keep")
+    d = Daemon(fakecuda, policy=policy, workdir=workdir).start()
+    live: list[Tracked] = []
+    started = 0
+    try:
+        for restart in range(3):
+            for _ in range(100):
+                t = Tracked.spawn(fakecuda, g)
+                t.alloc(f"alloc {64 * 1024}", 0)
+                live.append(t)
+                started += 1
+                if len(live) > 20:          # the oldest leave while others start
+                    live.pop(0).close()
+            converge(d, live)
+            if restart == 2:
+                break
+            assert d.stop() == 0, d.log()[-2000:]
+            for t in live[:5]:              # exit unseen: no daemon runs
+                t.close()
+            live = live[5:]
+            d = Daemon(fakecuda, policy=policy, workdir=workdir).start()
+            snap = converge(d, live)
+            assert _group_used(snap, live[0].pid) == len(live) * 64 * 1024
+            assert not slot_problems(snap), slot_problems(snap)
+        assert started == 300
+        snap = converge(d, live)
+        assert _group_used(snap, live[0].pid) == len(live) * 64 * 1024
+        assert not stopped_pids() & {t.pid for t in live}
+    finally:
+        for t in live:
+            t.close()
+        finish_daemon(d)
