@@ -307,7 +307,8 @@ def test_a_new_version_takes_over_from_another_checkout(fakecuda, policy, workdi
             converge(new, [a, b, c])
             # the cap holds under the new daemon too, and its holds end
             wait_for(lambda: None if new.snapshot()["counters"].get("throttle_episodes", 0) >= 2
-                     else f"the capped process was not held again (still launching: {run.t.is_alive()})", 30,
+                     else "the capped process was not held again (still launching: "
+                     f"{run.t.is_alive()})", 30,
                      what="SM holds after the upgrade", deadlines=new.deadlines)
             c.proc.kill()
             run.t.join(30)
