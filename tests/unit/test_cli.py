@@ -95,6 +95,7 @@ def test_unknown_group_by(monkeypatch):
     (["run", "--metrics-addr", "nope"], "HOST:PORT"),
     (["run", "--oom-action", "explode"], "--oom-action"),
     (["run", "--sm-turn-ms", "5"], "--sm-turn-ms"),
+    (["run", "--sm-hold-ms", "5000"], "--sm-hold-ms"),
     (["run", "--socket-group", "no-such-group-hb"], "no such group"),
     (["run", "--libcuda", "/nonexistent/libcuda.so"], "--libcuda"),
     (["usage"], "Missing argument"),
@@ -142,12 +143,14 @@ def test_run_defaults(fake_daemon):
     assert cfg.socket == "/run/hami-bpf/hami-bpf.sock" and cfg.oom_action == "auto"
     assert cfg.libcuda == () and cfg.policy is None and not cfg.count_launches
     assert cfg.sm_limits and cfg.sm_turns and cfg.sm_turn_ms == 100 and cfg.sm_learn_alone
+    assert cfg.sm_hold_ms == 50
 
 
 def test_run_sm_options(fake_daemon):
-    assert invoke("run", "--no-sm-learn-alone", "--sm-turn-ms", "200").exit_code == 0
+    assert invoke("run", "--no-sm-learn-alone", "--sm-turn-ms", "200",
+                  "--sm-hold-ms", "120").exit_code == 0
     (cfg,) = fake_daemon.calls
-    assert not cfg.sm_learn_alone and cfg.sm_turn_ms == 200
+    assert not cfg.sm_learn_alone and cfg.sm_turn_ms == 200 and cfg.sm_hold_ms == 120
 
 
 def test_run_daemon_error_is_one_line(fake_daemon):

@@ -240,6 +240,35 @@ def test_duty_once_synchronizing_at_paced_hz():
     assert ds[-1][1].keys[KEY].mode is Mode.DUTY
 
 
+def test_counters_that_start_over_start_the_books_over():
+    """The probes' entry of a group goes with its cap and comes back at zero:
+    a group that synchronizes fast is paced by time again within the time it
+    takes a new one, not handed to the launch budget by a negative rate."""
+    p = DutyPacer()
+    p.step(obs(0.0))
+    ds, syncs = run_at(p, 100.0, 0.0, 3.0, 0)
+    assert ds[-1][1].keys[KEY].mode is Mode.DUTY
+    fresh = DutyPacer()
+    fresh.step(obs(10.0))
+    again, _ = run_at(p, 100.0, 3.0, 1.0, 0)        # its counters read from zero
+    new, _ = run_at(fresh, 100.0, 10.0, 1.0, 0)
+    assert Mode.BUDGET not in [m for _t, m in switches(again)]
+    became = lambda ds: next(t - ds[0][0] for t, d in ds if d.keys[KEY].mode is Mode.DUTY)  # noqa: E731
+    assert became(again) <= became(new) + 0.011
+
+
+@pytest.mark.parametrize("quantum", [0.02, 0.2])
+def test_a_longer_quantum_holds_less_often_for_longer(quantum):
+    p = DutyPacer(quantum_s=quantum, max_hold_s=2 * quantum)
+    assert p.max_hold_s == max(2 * quantum, quantum)
+    p.step(obs(0.0))
+    ds, _ = run_at(p, 100.0, 0.0, 1.5, 0)
+    asked = next(t for t, d in ds if d.keys[KEY].ask is not Ask.NONE)
+    became = next(t for t, d in ds if d.keys[KEY].mode is Mode.DUTY)
+    # cap 50: it owes a second per second of running, so it is asked once it owes the quantum
+    assert asked - became == pytest.approx(quantum, abs=0.021)
+
+
 def test_budget_below_paced_hz():
     p = DutyPacer()
     p.step(obs(0.0))
