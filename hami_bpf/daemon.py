@@ -30,29 +30,20 @@ from .devices import Devices, Fallback
 from .events import (GroupLimitSet, MemoryAllocated, MemoryFreed, ProcessExited,
                      UsageObserved,
                      ProcessRegistered, ProcKey)
-from .limits import (HAMI_DEFAULT_PRIORITY, EnvLimits, PolicyError, clipped, effective_limits,
+from .limits import (EnvLimits, PolicyError, clipped, effective_limits,
                      effective_sched, load_policy, parse_env_limits, physical_to_visible,
                      visible_entries, visible_to_physical)
 from .metrics import observe_exit_latency
 from .slots import SlotTable
-from .sm import duty, guard
-from .throttle import (BUSY_S, LEARN_ALONE_S, TURN_CALIBRATE_S, UNLIMITED, Budget,
-                       Completions, Turn, completion_rate, correct_rate, gpu_bound, held_to_cap, learn_alone,
-                       neighbours, next_edge, scale_rate, tick as budget_tick, turn_gains, turns)
+from .regionpub import RegionError, RegionPublisher
+from .smcontrol import SmControl
 from .snapshot import (SCHEMA_VERSION, DeviceUsage, EventRecord, GroupInfo, ProcessInfo,
                        SlotInfo, Snapshot)
 
 log = logging.getLogger("hami_bpf")
 
 POLL_MS = 100
-THROTTLE_TICK_S = 0.05
-UNPACED_S = 2.0     # a neighbour that launched this recently and has no pace yet: wait
-HELD_TICK_S = 0.005
-DUTY_TICK_S = 0.01         # duty pacing asks for holds this promptly
 CONTROL_NICE = -10         # the daemon's CPU priority (_raise_priority)
-MAX_HOLD_S = 0.25          # no group is held longer than this, budget or not
-RESUME_MARGIN_S = 0.02
-THROTTLED_SHOWN_S = 1.0   # a group held back within this long shows as throttled
 GRAPH_COST = 4096          # cost units per cuGraphLaunch (feedback corrects it where NVML is)
 HEARTBEAT_STALE_NS = 2_000_000_000
 REAP_EVERY_S = 1.0
@@ -216,42 +207,6 @@ class Daemon:
         self.cfg = cfg
         self.table = SlotTable()
         self.info: dict[int, ProcInfo] = {}
-        # SM limiting: caps per group and physical device (percent), budgets per
-        # (group index, device), and the pids we hold stopped per throttled group.
-        self.sm_caps: dict[str, dict[int, int]] = {}
-        self.budgets: dict[tuple[int, int], Budget] = {}
-        # (priority, utilization policy) per group: the lowest priority and
-        # the strictest policy any member asked for (limits.effective_sched).
-        self.sched: dict[str, tuple[int, str]] = {}
-        self._last_busy: dict[tuple[int, int], float] = {}   # (group index, device) -> last launch seen
-        self._first_busy: dict[tuple[int, int], float] = {}  # ... -> when its launches were first seen
-        self._budget_logged: dict[tuple[int, int], float] = {}
-        self.lending: set[tuple[int, int]] = set()           # (group index, device) above its cap now
-        # Slots of the groups taking turns on a device (throttle.turns), by
-        # (group index, device); counted from the daemon's start.
-        self.turns: dict[tuple[int, int], Turn] = {}
-        self._turn_epoch = time.monotonic()
-        self._turns_read: float | None = None   # when turn_gains() last read the devices
-        self._turns_util: dict[int, float | None] = {}  # ... and what it read
-        # Per device, the group learning there alone and the capped groups it
-        # holds meanwhile (throttle.learn_alone): (learner key, held keys).
-        self.alone: dict[int, tuple[tuple[int, int] | None, frozenset]] = {}
-        self._alone_said: dict[int, tuple[tuple[int, int], frozenset]] = {}  # ... as events told it
-        self.throttled: dict[str, set[int]] = {}
-        self.throttle_since: dict[str, float] = {}
-        self._prev_use: dict[tuple[int, int], tuple[float, int]] = {}
-        # Every (group, device)'s completions while some budget learns, for
-        # splitting a shared device by what each group got done.
-        self._done: dict[tuple[int, int], Completions] = {}
-        self.last_throttled: dict[str, float] = {}
-        self._sm_unenforced: set[str] = set()
-        self.sm_share: dict[tuple[int, int], float | None] = {}
-        # Groups that synchronize often are paced by time (sm.duty), the
-        # rest by the launch budget (self.budgets).
-        self.duty = duty.DutyPacer(quantum_s=cfg.sm_hold_ms / 1000,
-                                    max_hold_s=max(duty.MAX_HOLD_S, 2 * cfg.sm_hold_ms / 1000))
-        self.guard = guard.Guard()        # the launch budget checked against the GPU
-        self._duty_next: float | None = None
         self.events_log: collections.deque[EventRecord] = collections.deque(maxlen=EVENT_LOG_LEN)
         self._seq = 0
         self._log_lock = threading.Lock()
@@ -259,6 +214,18 @@ class Daemon:
         self.exit_latency_ns: collections.deque[int] = collections.deque(maxlen=10000)
         self.mechanisms: dict[str, str] = {}
         self._previous_version: str | None = None   # of the daemon whose kept state we adopt
+        self.regions = RegionPublisher(
+            cfg.hami_regions, record=self.record,
+            group_exists=lambda name: self.table.group(name) is not None,
+            phys=lambda pid: self.info[pid].phys if pid in self.info else None,
+            ndev=lambda: self.devices.count if hasattr(self, "devices") else 0,
+            sm_caps=lambda name: self.sm.caps(name),
+            ctx_bytes=lambda: self.ctx_bytes) if cfg.hami_regions else None
+        # SM caps: every piece of SM state and every hold (smcontrol).
+        self.sm = SmControl(cfg, probes=lambda: self.probes, table=lambda: self.table,
+                            devices=lambda: self.devices, stopped=lambda: self.stopped,
+                            libs=lambda: self.libs, mechanisms=lambda: self.mechanisms,
+                            record=self.record, counters=self.counters)
         self.simulated = False
         self.policy = None
         # Set from signal handlers, so plain flags: a handler must take no lock
@@ -501,15 +468,15 @@ class Daemon:
                              len(got), nvml)
             log.info("attached %d probes to %s%s", len(a.core), lib,
                      f" (+{len(a.launch)} launch probes)" if a.launch else "")
-        self.probe_cost_s = 0.0
+        self.sm.probe_cost_s = 0.0
         if cfg.sm_limits and self.libs:
             # Measured before any process is registered: the daemon maps
             # libcuda for it and must not count itself as a CUDA process.
             lib = str(self.libs[0])
             try:
-                self.probe_cost_s = self.probes.measure_launch_probe_cost(lib)
+                self.sm.probe_cost_s = self.probes.measure_launch_probe_cost(lib)
                 self.mechanisms["launch_probe_cost"] = (
-                    f"{self.probe_cost_s * 1e6:.2f} us per launch (measured on {lib})")
+                    f"{self.sm.probe_cost_s * 1e6:.2f} us per launch (measured on {lib})")
             except Exception as e:  # noqa: BLE001 - the controller works without it
                 self.mechanisms["launch_probe_cost"] = f"unknown ({e})"
                 self.record("fallback", f"measuring the launch probe's cost on {lib}: {e}; "
@@ -519,7 +486,10 @@ class Daemon:
         self._recover_bpf_stops()
         self._scan_existing()
         from .server import ServerError, SnapshotServer
-        self._rebuild_snapshot()
+        try:
+            self._rebuild_snapshot()
+        except RegionError as e:
+            raise DaemonError(str(e)) from None
         self.server = SnapshotServer(cfg.socket, self.snapshot, self.events_since, cfg.socket_group)
         try:
             self.server.start()
@@ -729,11 +699,8 @@ class Daemon:
             self.probes.poll(self._poll_ms())
             self._release_gated()
             now = time.monotonic()
-            if self.sm_caps:
-                try:
-                    self._throttle_tick(now)
-                except Exception as e:   # noqa: BLE001 - SM pacing must never take the daemon down
-                    self._sm_failed(e)
+            if self.sm.active:
+                self.sm.tick(now)
             if now - last_reap >= REAP_EVERY_S:
                 self._reap()
                 last_reap = now
@@ -748,7 +715,7 @@ class Daemon:
             if self._reload_asked:
                 self._reload_asked = False   # one asked meanwhile reads the same file
                 self.reload_policy()
-            if self._dirty or self.cfg.count_launches or self.sm_caps:
+            if self._dirty or self.cfg.count_launches or self.sm.active:
                 self._rebuild_snapshot()
 
     def _raise_priority(self) -> None:
@@ -766,31 +733,14 @@ class Daemon:
                         f"{CONTROL_NICE} ({e}): holds may outlast their time on a busy node",
                         nice=CONTROL_NICE)
 
-    def _sm_failed(self, e: Exception) -> None:
-        """SM pacing failed this tick: fail open. Every group it holds runs
-        again; memory limits are untouched (they live in BPF)."""
-        self.counters["sm_errors"] += 1
-        log.exception("SM pacing failed; holds released")
-        for group in list(self.throttled):
-            self._resume_group(group)
-        self.record("error", f"SM pacing failed ({type(e).__name__}: {e}); every hold released",
-                    error=type(e).__name__)
-
     def _poll_ms(self) -> int:
         due_at = self.memory.next_due()
         if due_at is not None:
             due = due_at - time.monotonic()
             return max(1, min(POLL_MS, math.ceil(due * 1000)))
-        if not self.sm_caps:
+        wait = self.sm.wait_s(time.monotonic())
+        if wait is None:
             return POLL_MS
-        wait = HELD_TICK_S if self.throttled else THROTTLE_TICK_S
-        if self._duty_next is not None:
-            wait = min(wait, DUTY_TICK_S)
-        # Turns begin and end on time: a tick at every slot's edges.
-        now = time.monotonic()
-        edge = next_edge(self.turns.values(), now) if self.turns else None
-        if edge is not None:
-            wait = min(wait, edge - now)
         return max(1, math.ceil(wait * 1000))
 
     def stop(self, signum: int | None = None) -> None:
@@ -847,7 +797,7 @@ class Daemon:
             self.counters["policy_reloads"] += 1
             for g in self.table.groups():
                 self._recompute_limits(g.name)
-            self._sync_launch_probes()
+            self.sm.sync_launch_probes()
             self.record("config", f"policy {self.cfg.policy} reloaded", policy=str(self.cfg.policy))
             self._dirty = True
         if self._reload_again:
@@ -858,8 +808,7 @@ class Daemon:
         if g is None:
             return
         old_limits = dict(self.table.limits(group))
-        old_caps = self.sm_caps.pop(group, {})
-        self.sched.pop(group, None)
+        old_caps = self.sm.clear_group_caps(group)
         for dev in old_limits:
             self.table.apply(GroupLimitSet(group, dev, None))
         for key in g.slots:
@@ -872,15 +821,7 @@ class Daemon:
                 if limits.get(dev) is None:
                     self.record("limit", f"group {group!r} device {dev}: no memory limit",
                                 group=group, device=dev, limit=None)
-        caps = self.sm_caps.get(group, {})
-        for dev in set(old_caps) - set(caps):
-            # Count only from now on; a learned budget would be stale anyway.
-            self._forget_budget((g.index, dev))
-            self.probes.delete_sm_grant(g.index, dev)
-            self.record("limit", f"group {group!r} device {dev}: no SM cap", group=group,
-                        device=dev, sm=None)
-        if group in self.throttled and not caps:
-            self._resume_group(group)
+        self.sm.caps_reread(group, g.index, old_caps)
 
     def shutdown(self) -> None:
         """Every exit path: nobody may be left stopped, every probe detached."""
@@ -968,7 +909,7 @@ class Daemon:
         elif e.kind in (abi.EV_MEMINFO, abi.EV_TOTALMEM, abi.EV_NVMLMEM):
             self.memory.meminfo(e)
         elif e.kind == abi.EV_THROTTLE:
-            self._throttle(e)
+            self.sm.on_hold(e)
 
     def _gated(self, pid: int, ts_ns: int, comm: str = "") -> bool:
         """A process held at cuInit until it is classified: register it and
@@ -1097,14 +1038,11 @@ class Daemon:
         info = self.info.get(pid)
         prio, upol = effective_sched(self.policy, group,
                                      info.env if info and self.cfg.env_limits else None)
-        old_sched = self.sched.get(group)
-        if old_sched is not None:
-            prio, upol = max(prio, old_sched[0]), ("force" if "force" in (upol, old_sched[1]) else upol)
-        if (prio, upol) != old_sched:
-            self.sched[group] = (prio, upol)
-            if old_sched is not None or prio != HAMI_DEFAULT_PRIORITY or upol != "default":
-                self.record("limit", f"group {group!r}: priority {prio}, utilization policy {upol}",
-                            group=group, priority=prio, utilization_policy=upol)
+        changed = self.sm.set_sched(group, prio, upol)
+        if changed:
+            prio, upol = changed
+            self.record("limit", f"group {group!r}: priority {prio}, utilization policy {upol}",
+                        group=group, priority=prio, utilization_policy=upol)
         current = self.table.limits(group)
         for dev in range(self.devices.count):
             vis = physical_to_visible(dev, cvd, self.devices.uuid_to_index) if cvd is not None else dev
@@ -1113,7 +1051,7 @@ class Daemon:
             # the one the driver reads (setenv before cuInit).
             env = info.env if info and self.cfg.env_limits and vis is not None else None
             mem, sm = effective_limits(self.policy, group, env, dev, visible_index=vis)
-            self._apply_sm_cap(group, dev, sm)
+            self.sm.apply_cap(group, dev, sm)
             old = current.get(dev)
             new = mem if old is None else (old if mem is None else min(old, mem))
             if new != old:
@@ -1121,495 +1059,6 @@ class Daemon:
                 self._sync_bpf_limit(group, dev)
                 self.record("limit", f"group {group!r} device {dev}: limit {new} bytes",
                             group=group, device=dev, limit=new)
-
-    def _sched(self, group: str) -> tuple[int, str]:
-        """(priority, utilization policy) of a group; HAMi's defaults if unset."""
-        return self.sched.get(group, (HAMI_DEFAULT_PRIORITY, "default"))
-
-    def _apply_sm_cap(self, group: str, dev: int, sm: int | None) -> None:
-        """Like memory: a member can lower its group's SM cap, never raise it."""
-        if sm is None or sm <= 0 or sm >= 100:
-            return
-        if not self.cfg.sm_limits:
-            if group not in self._sm_unenforced:
-                self._sm_unenforced.add(group)
-                self.record("config", f"group {group!r} asks for an SM cap of {sm}%: not enforced "
-                            "(the daemon runs with --no-sm-limits)", group=group, sm=sm)
-            return
-        caps = self.sm_caps.setdefault(group, {})
-        old = caps.get(dev)
-        if old is not None and old <= sm:
-            return
-        caps[dev] = sm
-        self.record("limit", f"group {group!r} device {dev}: SM cap {sm}%", group=group,
-                    device=dev, sm=sm)
-        self._sync_launch_probes()
-
-    def _sync_launch_probes(self) -> None:
-        """Launch probes cost ~1 us per launch: attached only while a group has an
-        SM cap (or --count-launches asks), detached when the last one goes."""
-        want = bool(self.cfg.count_launches or self.sm_caps)
-        have = self.probes.launch_probes_attached() > 0
-        if want and not have:
-            from . import libcuda
-            for lib in self.libs:
-                self.probes.attach_launch(str(lib), libcuda.cuda_symbols(lib))
-            self.record("probes", f"launch probes attached ({self.probes.launch_probes_attached()})")
-        elif have and not want:
-            for lib in self.libs:
-                self.probes.detach_launch(str(lib))
-            self.record("probes", "launch probes detached: no SM cap left")
-        self.mechanisms["launch"] = ("throttling uprobes" if self.sm_caps else
-                                     "counting uprobes" if self.cfg.count_launches else "off")
-
-    def _throttle_tick(self, now: float) -> None:
-        use = self.probes.sm_use()
-        rates: dict[int, dict[tuple[int, int], float]] = collections.defaultdict(dict)
-        for key, (consumed, *_rest) in use.items():
-            prev = self._prev_use.get(key)
-            if prev and now > prev[0]:
-                rates[key[1]][key] = max(0, consumed - prev[1]) / (now - prev[0])
-                if consumed > prev[1]:
-                    self._last_busy[key] = now
-            if consumed:
-                self._first_busy.setdefault(key, now)
-            self._prev_use[key] = (now, consumed)
-        prio_of = {g.index: self._sched(g.name)[0] for g in self.table.groups()
-                   } if self.cfg.sm_lend_idle or self.cfg.sm_learn_alone else {}
-        holds = self._learn_alone(now, use, prio_of) if self.cfg.sm_learn_alone else frozenset()
-        for k in holds:
-            # Held groups are off the device for the learner (their last
-            # grant, a slot's work at most, drains first): neither busy nor unpaced.
-            rates.get(k[1], {}).pop(k, None)
-        # Only a budget still learning reads the device (a new one learns too):
-        # no NVML call per tick once every capped group has its rate.
-        # A budget on a device its group never launched on stays "learning"
-        # (nothing to learn from) and needs no reading.
-        learning = any(b.learning and (b.active_since is not None
-                                       or use.get(k, (0,))[0] > b.start_consumed)
-                       for k, b in self.budgets.items()) or any(
-            (g.index, dev) not in self.budgets for name, caps in self.sm_caps.items()
-            if (g := self.table.group(name)) is not None for dev in caps
-            if self.duty.mode((g.index, dev)) is not duty.Mode.DUTY)
-        share = {}
-        if learning:
-            util = self.devices.utilization() if self.devices.has_utilization else {}
-            known = {k: b for k, b in self.budgets.items() if not b.learning}
-            done_rates = {}
-            for key, (_c, _n, completed, _s, done_ns, _y) in use.items():
-                track = self._done.setdefault(key, Completions())
-                track.note(now, completed or None, done_ns / 1e9 if done_ns else None)
-                done_rates[key] = completion_rate(track, now)
-            # Busy lately, yet no completions to pace it by: a group blocked
-            # on its full launch queue, or one that never synchronizes.
-            unpaced = frozenset(k for k in use if done_rates.get(k) is None and k not in known
-                                and k not in holds
-                                and now - self._last_busy.get(k, -1e9) <= UNPACED_S)
-            for dev, r in rates.items():
-                share.update(neighbours(util.get(dev), r, known, now, done_rates,
-                                        frozenset(k for k in unpaced if k[1] == dev)))
-        if self.cfg.sm_turns:
-            self._take_turns(use)
-        paced = self._duty_step(now, use)
-        util_now: dict[int, float | None] | None = None
-        for group, caps in list(self.sm_caps.items()):
-            g = self.table.group(group)
-            if g is None:
-                continue
-            room = True
-            for dev, cap in caps.items():
-                key = (g.index, dev)
-                if key in paced.keys and paced.keys[key].mode is duty.Mode.DUTY:
-                    room = room and g.index in paced.release
-                    continue
-                b = self.budgets.get(key)
-                if b is None:
-                    b = self.budgets[key] = Budget(cap=cap, probe_s=self.probe_cost_s)
-                b.cap = cap
-                consumed, n_launch, completed, sync_ns, done_ns, _syncs = use.get(
-                    key, (0, 0, 0, 0, 0, 0))
-                if key in holds:
-                    # Held while another group learns here alone (or until its
-                    # first launch here is its turn): nothing granted, nothing
-                    # learned (a held learner starts over).
-                    b.granted, b.credit, b.turn_open = consumed, float(consumed), False
-                    self.probes.set_sm_grant(g.index, dev, consumed, True, checkpoint=False)
-                    # Not launching here, it runs on as its other devices allow.
-                    room = room and not consumed
-                    continue
-                was_learning = b.learning
-                granted = budget_tick(b, now=now, consumed=consumed, launches=n_launch,
-                                      completed=completed or None, sync_ns=sync_ns,
-                                      completed_at=done_ns / 1e9 if done_ns else None,
-                                      device=share.get(key), turn=self.turns.get(key))
-                if was_learning and not b.learning:
-                    self.record("throttle", f"group {group!r} device {dev}: cap {cap}% of a "
-                                f"learned full rate of {b.full_rate:.4g} units/s (pace "
-                                f"{b.pace:.4g}/s{', contended' if b.contended else ''}"
-                                f"{', launcher-bound' if b.launcher_bound else ''}"
-                                f"{f', host-bound: +{b.probe_share:.1%} for the probe' if b.probe_share else ''}"
-                                f"{', from completions' if b.by_completion else ''})",
-                                group=group, device=dev, full_rate=b.full_rate, pace=b.pace,
-                                work_per_unit=b.work_per_unit, contended=b.contended,
-                                # launched, not known done: runs at the GPU's
-                                # full pace whatever the grant (checkpoints)
-                                queued=consumed - (completed or 0))
-                if self.cfg.sm_lend_idle:
-                    others = [(prio_of.get(k[0], HAMI_DEFAULT_PRIORITY),
-                               now - self._last_busy.get(k, -1e9) <= BUSY_S)
-                              for k in use if k[1] == dev and k[0] != g.index]
-                    held = held_to_cap(*self._sched(group), True, others)
-                    if not held:
-                        granted = max(granted, consumed + UNLIMITED)
-                    if held == (key in self.lending):
-                        (self.lending.discard if held else self.lending.add)(key)
-                        self.record("throttle", f"group {group!r} device {dev}: "
-                                    + ("held to its cap again" if held else
-                                       "may use what is idle (no busy group of higher or equal "
-                                       "priority)"), group=group, device=dev, lending=not held)
-                if b.learning and learning and group not in self.throttled:
-                    self.guard.reference(key, util.get(dev))
-                if not b.learning and key not in self.turns and key not in self.lending \
-                        and self.devices.has_utilization:
-                    if util_now is None:
-                        util_now = util if learning else self.devices.utilization()
-                    self._guard(key, group, b, now, util_now.get(dev),
-                                held=group in self.throttled)
-                # No checkpoint for a group free to use what is idle: it is
-                # not held to anything the learning would apply.
-                self.probes.set_sm_grant(g.index, dev, granted, True,
-                                         checkpoint=b.learning and key not in self.lending)
-                # Resume with some budget in hand, not a sliver: fewer, longer holds.
-                margin = (b.rate or 0) * RESUME_MARGIN_S
-                room = room and consumed + margin < granted
-                self.sm_share[key] = b.last_share
-                if log.isEnabledFor(logging.DEBUG) and now - self._budget_logged.get(key, 0) >= 0.5:
-                    self._budget_logged[key] = now
-                    log.debug("budget %s dev %d: cap %s learning=%s F=%.4g R=%s consumed=%d "
-                              "launches=%d completed=%d granted=%d held=%s cut_short=%d episodes=%d",
-                              group, dev, cap, b.learning, b.full_rate, b.rate and round(b.rate),
-                              consumed, n_launch, completed, granted, group in self.throttled,
-                              self.counters["holds_cut_short"], self.counters["throttle_episodes"])
-            held_for = now - self.throttle_since.get(group, now)
-            if group in self.throttled and (room or held_for > self.duty.max_hold_s):
-                if g.index in paced.cut_short or not room and not any(
-                        k[0] == g.index and use.get(k, (0,))[0] for k in holds):
-                    # A hold must never outlive one refill period: whatever the
-                    # budget says, the group runs again (and is counted).
-                    self.counters["holds_cut_short"] += 1
-                self._resume_group(group)
-            if group in self.throttled:
-                self.last_throttled[group] = now
-        if self.turns and not learning and self.devices.has_utilization:
-            self._calibrate_turns(now)
-
-    def _guard(self, key: tuple[int, int], group: str, b: Budget, now: float,
-               util: float | None, held: bool) -> None:
-        """Check a budget-paced group's learned rate against the GPU (sm.guard)
-        and correct it: a group held while its device idles is loosened at once."""
-        shared = any(k[1] == key[1] and k != key and now - t <= BUSY_S
-                     for k, t in self._last_busy.items())
-        source = guard.Source.DEVICE
-        per_pid = self.devices.process_utilization(key[1]) if self.devices.nvml else None
-        g = self.table.group(group)
-        if per_pid and g is not None:
-            # The group's own part: neighbours no longer blur the reading.
-            util = min(100.0, sum(per_pid.get(k.pid, 0.0) for k in g.slots))
-            shared, source = False, guard.Source.PROCESS
-        c = self.guard.observe(key, now=now, cap=b.cap, held=held, util=util, shared=shared,
-                               source=source)
-        if c is None:
-            return
-        correct_rate(b, c.gain)
-        self.counters[f"sm_corrections_{c.reason.value}"] += 1
-        self.record("throttle", f"group {group!r} device {key[1]}: device {c.util:.0f}% busy where "
-                    f"its cap of {c.cap:g}% allows {c.target:.0f}%, while the launch budget held "
-                    f"it: rate x{c.gain:.3g} ({c.reason.value}, from {c.source.value})",
-                    group=group, device=key[1], sm_correction=c.reason.value,
-                    gain=round(c.gain, 4), util=round(c.util, 1), target=round(c.target, 1),
-                    cap=c.cap, source=c.source.value, rate=b.rate)
-
-    def _duty_step(self, now: float, use: dict) -> duty.Decision:
-        """Step duty pacing (sm.duty) for every capped (group, device) and
-        write what it asks of the groups it paces: a stop at the next
-        synchronize's return, or at the next launch where none came."""
-        caps, held, names = {}, {}, {}
-        for name, per_dev in self.sm_caps.items():
-            g = self.table.group(name)
-            if g is None:
-                continue
-            names[g.index] = name
-            for dev, cap in per_dev.items():
-                caps[(g.index, dev)] = cap
-            if name in self.throttled:
-                held[g.index] = self.throttle_since.get(name, now)
-        waiting = self.probes.sync_waiting() if caps else {}
-        obs = duty.Observation(now=now, caps=caps, held=held, use={
-            k: duty.Use(consumed=v[0], syncs=v[5], waiting=waiting.get(k, 0))
-            for k, v in use.items() if k in caps})
-        d = self.duty.step(obs)
-        for key, mode in d.mode_changes:
-            name = names.get(key[0], str(key[0]))
-            self.counters[f"sm_mode_{mode.value}"] += 1
-            if mode is duty.Mode.DUTY:
-                self._forget_budget(key)
-                self.turns.pop(key, None)
-            self.record("throttle", f"group {name!r} device {key[1]}: paced by "
-                        + ("time, held at its synchronizes" if mode is duty.Mode.DUTY
-                           else "its launch budget (it synchronizes rarely)"),
-                        group=name, device=key[1], sm_mode=mode.value)
-        for key, kd in d.keys.items():
-            if kd.mode is not duty.Mode.DUTY:
-                continue
-            if log.isEnabledFor(logging.DEBUG) and now - self._budget_logged.get(key, 0) >= 0.5:
-                self._budget_logged[key] = now
-                log.debug("duty %s dev %d: cap %s debt %.3f ask %s held %s syncs %d waiting %d",
-                          names.get(key[0], key[0]), key[1], caps[key], kd.debt, kd.ask.value,
-                          key[0] in held, obs.use[key].syncs if key in obs.use else -1,
-                          obs.use[key].waiting if key in obs.use else -1)
-            consumed = use.get(key, (0,))[0]
-            granted = consumed if kd.ask is duty.Ask.LAUNCH else consumed + UNLIMITED
-            self.probes.set_sm_grant(key[0], key[1], granted, True,
-                                     hold_at_sync=kd.ask is not duty.Ask.NONE)
-            self.sm_share[key] = None
-        self._duty_next = d.next_step if d.next_step is not None else (
-            now if any(kd.mode is duty.Mode.DUTY for kd in d.keys.values()) else None)
-        return d
-
-    def _learn_alone(self, now: float, use: dict, prio: dict[int, int]) -> frozenset:
-        """Let one group at a time learn its rate on each device while the
-        device's other capped groups are held (throttle.learn_alone), at most
-        LEARN_ALONE_S each; not where an uncapped group is busy (it is never
-        held, so no one learns alone there). A capped group's first launch on
-        a device is held too, until it is its turn (or no one else's): else
-        groups starting together would each queue a second of work that runs
-        in the other's learning. `prio`: group index -> priority. Returns the
-        keys held this tick."""
-        waited = {k for _l, h in self.alone.values() for k in h}
-
-        def launched(k):
-            return use.get(k, (0,))[0] > 0
-
-        def busy(k):
-            return now - self._last_busy.get(k, -1e9) <= BUSY_S
-
-        new: dict[int, tuple[tuple[int, int] | None, frozenset]] = {}
-        restart: set = set()
-        for dev in sorted({d for _gi, d in self.budgets}):
-            if any(k[1] == dev and k not in self.budgets and busy(k) for k in use):
-                continue
-            capped = {k: prio.get(k[0], HAMI_DEFAULT_PRIORITY) for k in self.budgets if k[1] == dev}
-            cur = self.alone.get(dev, (None,))[0]
-            # A learner begins busy or held waiting, and keeps its turn while
-            # it launches nothing too (blocked on its full queue, synchronizing).
-            learners = {k: (self._first_busy.get(k, now), capped[k]) for k in capped
-                        if (b := self.budgets[k]).learning
-                        and (k == cur or (launched(k) and (busy(k) or k in waited)))
-                        and (b.alone_since is None or now - b.alone_since <= LEARN_ALONE_S)}
-            learner, held = learn_alone(learners, capped, current=cur)
-            if learner is None:
-                # No one learning: a first launch is held until the next tick
-                # picks whose turn it is.
-                new[dev] = (None, frozenset(k for k in capped if not launched(k)
-                                            and self.budgets[k].learning))
-                continue
-            if learner in waited:
-                restart.add(learner)    # held from its first launch: learn from now
-            elif any(launched(k) for k in held):
-                b = self.budgets[learner]
-                if b.alone_since is None:
-                    # From completions after the others were held: what they
-                    # still have queued runs on for a slot's work at most
-                    # (H200 turns: 70 ms), a few percent of a learning span,
-                    # where waiting for another synchronize would take a second.
-                    b.alone_since = now
-                    b.fresh_since = max(b.fresh_since, now)
-            new[dev] = (learner, held)
-        for key in restart:
-            self._restart_learning(key, now, alone=True)
-        self.alone = new
-        names = self._group_names()
-
-        def said(keys):
-            return ", ".join(repr(names.get(k[0], k[0])) for k in sorted(keys))
-
-        for dev in sorted(set(self._alone_said) | set(new)):
-            # Only holds of groups that launched here are news.
-            (l0, h0) = self._alone_said.get(dev, (None, frozenset()))
-            l1, h1 = new.get(dev, (None, ()))
-            h1 = frozenset(k for k in h1 if launched(k))
-            if l0 is not None and (l0 != l1 or not h1):
-                lb = self.budgets.get(l0)
-                how = ("learned its rate" if lb is not None and not lb.learning else
-                       f"not learned in {LEARN_ALONE_S:g} s (it learns beside them)"
-                       if lb is not None and now - (lb.alone_since or now) > LEARN_ALONE_S
-                       else "stopped launching")
-                self.record("throttle", f"group {names.get(l0[0], l0[0])!r} device {dev}: {how}; "
-                            f"{said(h0)} released", group=names.get(l0[0]), device=dev, alone=False)
-            if l1 is not None and h1 and (l1 != l0 or h1 - h0):
-                self.record("throttle", f"group {names.get(l1[0], l1[0])!r} learns its rate on "
-                            f"device {dev} alone: {said(h1)} held (at most {LEARN_ALONE_S:g} s)",
-                            group=names.get(l1[0]), device=dev, alone=True,
-                            held=sorted(names.get(k[0], str(k[0])) for k in h1))
-            if l1 is not None and h1:
-                self._alone_said[dev] = (l1, h1 | (h0 if l1 == l0 else frozenset()))
-            else:
-                self._alone_said.pop(dev, None)
-        held_now = {k for _l, h in new.values() for k in h}
-        for key, b in list(self.budgets.items()):
-            if key in waited and key not in held_now and key not in restart and b.learning:
-                self._restart_learning(key, now)   # its learning ran across a hold
-        return frozenset(held_now)
-
-    def _restart_learning(self, key: tuple[int, int], now: float, alone: bool = False) -> None:
-        """Start a budget's learning over, from completions after `now`;
-        `alone`: it learns alone from now. Its turn alone is counted once
-        (LEARN_ALONE_S), however often it starts over."""
-        b = self.budgets[key]
-        since = b.alone_since if b.alone_since is not None or not alone else now
-        self.budgets[key] = Budget(cap=b.cap, probe_s=self.probe_cost_s, fresh_since=now,
-                                   alone_since=since)
-
-    def _calibrate_turns(self, now: float) -> None:
-        """Raise the rates of groups taking turns where the GPU idles in them
-        (throttle.turn_gains): every TURN_CALIBRATE_S, from the utilization
-        since the last reading; the first reading only starts the count."""
-        if self._turns_read is not None and now - self._turns_read < TURN_CALIBRATE_S:
-            return
-        util = self.devices.utilization()
-        first, self._turns_read = self._turns_read is None, now
-        for dev in sorted({d for _g, d in self.turns}):
-            keys = [k for k in self.turns if k[1] == dev and k in self.budgets]
-            budgets = [self.budgets[k] for k in keys]
-            # The mean of two readings since the last change: NVML's swing
-            # by 5-8 points between windows in one steady state. Not one
-            # taken while slots came up short (turns settling in, or
-            # overrunning): idle then is no measure of the rates.
-            prev = self._turns_util.pop(dev, None)
-            both = None if prev is None or util.get(dev) is None else (prev + util[dev]) / 2
-            gains = None if first else turn_gains(both, [self.turns[k] for k in keys], budgets)
-            # Kept for the next reading unless a change follows it: readings
-            # from before a change say nothing after it.
-            if not first and gains is None and not any(b.turn_short for b in budgets):
-                self._turns_util[dev] = util.get(dev)
-            log.debug("turns on device %d: %s%% busy, slots %s, short %s, gains %s", dev,
-                      util.get(dev), [b.turn_slots for b in budgets],
-                      [b.turn_short for b in budgets], gains)
-            if gains is not None:
-                names = self._group_names()
-                for b, gain in zip(budgets, gains):
-                    scale_rate(b, gain)
-                busy = 100 * sum(self.turns[k].length for k in keys)
-                said = ", ".join(f"{names.get(k[0], k[0])!r} x{gain:.3f}"
-                                 for k, gain in zip(keys, gains) if gain != 1.0)
-                self.record("throttle", f"device {dev}: {both:.1f}% busy in turns that "
-                            f"should fill {busy:.0f}%: " + (
-                                f"rates learned side by side were short, raised: {said}"
-                                if max(gains) > 1.0 else f"raised rates overran their turns, "
-                                f"lowered: {said}"),
-                            device=dev, gains=dict(zip((names.get(k[0], str(k[0])) for k in keys),
-                                                       gains)), util=both)
-            for b in budgets:
-                b.turn_short_before, b.turn_slots, b.turn_short = b.turn_short, 0, 0
-
-    def _take_turns(self, use: dict) -> None:
-        """GPU-bound groups capped on one device take turns where two or more
-        have their rates; not one learning (it runs free), lending idle time,
-        host-bound (throttle.gpu_bound), or launching on another device too
-        (a hold stops all of a group's processes, so its turns on two
-        devices would stop it in both)."""
-        devices = collections.defaultdict(set)
-        for (gi, dev), (consumed, *_r) in use.items():
-            if consumed:
-                devices[gi].add(dev)
-        caps = collections.defaultdict(dict)
-        for key, b in self.budgets.items():
-            if (not b.learning and gpu_bound(b) and key not in self.lending
-                    and devices.get(key[0]) == {key[1]}):
-                caps[key[1]][key] = b.cap
-        new = {}
-        for dev, on in caps.items():
-            new.update(turns(on, epoch=self._turn_epoch, period=self.cfg.sm_turn_ms / 1000))
-        for dev in sorted({d for _g, d in new} | {d for _g, d in self.turns}):
-            mine = sorted(k for k in new if k[1] == dev)
-            if mine == sorted(k for k in self.turns if k[1] == dev):
-                continue
-            names = self._group_names()
-            self.record("throttle", f"device {dev}: " + (
-                "groups " + ", ".join(f"{names.get(k[0], k[0])!r} ({new[k].length:.0%})" for k in mine)
-                + f" take turns every {self.cfg.sm_turn_ms:g} ms" if mine else "no turns"),
-                device=dev, turns={names.get(k[0], str(k[0])): round(new[k].length, 4) for k in mine})
-            self._turns_read = None     # the utilization of other turns says nothing
-            self._turns_util.pop(dev, None)
-        self.turns = new
-
-    def _group_names(self) -> dict[int, str]:
-        """Group index -> name (the budgets and turns are keyed by index)."""
-        return {g.index: g.name for g in self.table.groups()}
-
-    def _forget_budget(self, key: tuple[int, int]) -> None:
-        """Drop what an SM cap kept for (group index, device): its budget and
-        what the views show of it. Launch and completion history stay while
-        the group does (neighbours are split by them)."""
-        self.budgets.pop(key, None)
-        self.guard.forget(key)
-        self.sm_share.pop(key, None)
-        self._budget_logged.pop(key, None)
-        self.lending.discard(key)
-
-    def _group_share(self, group_index: int) -> float | None:
-        vals = [v for (gi, _d), v in self.sm_share.items() if gi == group_index and v is not None]
-        return round(max(vals), 1) if vals else None
-
-    def _throttle(self, e: abi.Event) -> None:
-        """A launch found its group's budget spent and BPF stopped its process:
-        stop the rest of the group too, so peers are held and released together."""
-        pid = e.tgid
-        view = self.table.process(pid)
-        if view is None or view.group not in self.sm_caps:
-            enforce.resume(pid)
-            return
-        group = view.group
-        if e.flags & abi.F_AT_SYNC:
-            self.counters["sm_holds_at_sync"] += 1
-        held = self.throttled.setdefault(group, set())
-        now = time.monotonic()
-        self.last_throttled[group] = now
-        if not held:
-            # From the probe's stop, not from reading its event (same clock).
-            at = e.ts_ns / 1e9
-            self.throttle_since[group] = at if 0 < at <= now else now
-            self.counters["throttle_episodes"] += 1
-        g = self.table.group(group)
-        new = [(key.pid, key.start_time) for key in (g.slots if g else ())
-               if key.pid not in held and (key.pid == pid or enforce.proc_state(key.pid)
-                                           not in ("T", "t"))]   # else: someone else's stop
-        if not new:
-            return
-        # Recorded before they are stopped: a controller killed in between
-        # leaves a record of a running process (recovery skips it), never a
-        # stopped process without one.
-        self.stopped.add_many(new, f"SM cap of group {group}")
-        gone = []
-        for p, _st in new:
-            if p != pid:
-                try:
-                    os.kill(p, signal.SIGSTOP)
-                except ProcessLookupError:
-                    gone.append(p)
-                    continue
-            held.add(p)
-        if gone:
-            self.stopped.remove_many(gone)
-
-    def _resume_group(self, group: str) -> None:
-        held = self.throttled.pop(group, set())
-        since = self.throttle_since.pop(group, None)
-        if since is not None:
-            self.counters["throttle_ms"] += int((time.monotonic() - since) * 1000)
-        for pid in held:
-            enforce.resume(pid)   # exactly once per hold
-        self.stopped.remove_many(held)
 
     def _context_reserve(self, group: str, dev: int) -> int:
         """Bytes the group's contexts hold on the device: one per member using it."""
@@ -1680,10 +1129,7 @@ class Daemon:
                     self.counters["slot_write_after_exit"] += 1
             elif isinstance(a, ReleaseProcess):
                 self.info.pop(a.key.pid, None)
-                held = self.throttled.get(a.group)
-                if held and a.key.pid in held:
-                    held.discard(a.key.pid)
-                    self.stopped.remove(a.key.pid)
+                self.sm.release(a.group, a.key.pid)
                 if self.ctx_bytes:
                     self._after_release.append((a.group, tuple(a.released)))
                 self.memory.forget(a.key.pid)
@@ -1691,23 +1137,9 @@ class Daemon:
                     self.probes.delete_proc_cfg(a.key.pid)
             elif isinstance(a, DeleteGroup):
                 self.probes.delete_group(a.index)
-                self._sm_unenforced.discard(a.name)
-                self.sched.pop(a.name, None)
-                self.last_throttled.pop(a.name, None)
-                self.throttled.pop(a.name, None)
-                self.throttle_since.pop(a.name, None)
-                # Everything kept per (group index, device): the index is reused.
-                for key in [k for k in self.budgets if k[0] == a.index]:
-                    self._forget_budget(key)
-                self.duty.forget_group(a.index)
-                self.guard.forget_group(a.index)
-                for per_key in (self._prev_use, self._last_busy, self._first_busy, self._done):
-                    for key in [k for k in per_key if k[0] == a.index]:
-                        del per_key[key]
-                if self.sm_caps.pop(a.name, None):
-                    self._sync_launch_probes()
-                if self.cfg.hami_regions:
-                    self._publish_regions(None, gone=a.name)
+                self.sm.forget_group(a.name, a.index)
+                if self.regions:
+                    self.regions.gone(a.name)
                 self.record("group", f"group {a.name!r} is empty: deleted", group=a.name)
             elif isinstance(a, Compacted):
                 moves = [{"pid": k.pid, "from": f, "to": t} for k, f, t in a.moves]
@@ -1759,10 +1191,9 @@ class Daemon:
                 pid=p.key.pid, start_time=p.key.start_time, comm=p.comm, group=p.group, slot=p.slot,
                 devices=devs,
                 launches=launches.get(p.key.pid, 0) if counting else None,
-                state="throttled" if (p.key.pid in self.throttled.get(p.group, ()) or
-                                      now - self.last_throttled.get(p.group, -1e9) < THROTTLED_SHOWN_S)
+                state="throttled" if self.sm.shown_throttled(p.group, p.key.pid, now)
                 else "running",
-                sm_share=self._group_share(p.group_index),
+                sm_share=self.sm.group_share(p.group_index),
                 visible_devices={phys: vis for vis, phys in enumerate(info.phys[:self.devices.count])
                                  if phys != vis} if info else {},
                 denied=self.memory.denied(p.key.pid),
@@ -1775,10 +1206,7 @@ class Daemon:
             groups.append(GroupInfo(id=g.name, index=g.index, proc_num=g.proc_num,
                                     slots=tuple(SlotInfo(i, k.pid, k.start_time) for i, k in enumerate(g.slots)),
                                     devices=devs, denied=denied_by_group.get(g.index, 0),
-                                    sm_limit=min(self.sm_caps[g.name].values()) if self.sm_caps.get(g.name) else None,
-                                    priority=self._sched(g.name)[0],
-                                    sm_lending=tuple(sorted(d for gi, d in self.lending if gi == g.index)),
-                                    sm_turns=tuple(sorted(d for gi, d in self.turns if gi == g.index))))
+                                    **self.sm.group_view(g.name, g.index)))
         counters = dict(self.table.stats)
         counters.update(self.counters)
         if self.probes:
@@ -1787,125 +1215,8 @@ class Daemon:
         self._snap = Snapshot(SCHEMA_VERSION, time.time(), self.simulated, self.mechanisms,
                               self.devices.infos() if hasattr(self, "devices") else (),
                               tuple(procs), tuple(groups), counters)
-        if self.cfg.hami_regions:
-            self._publish_regions(now)
-
-    def _publish_regions(self, now: float | None, gone: str | None = None) -> None:
-        """--hami-regions DIR: one HAMi shared-region file per group
-        (DIR/<pod uid>_<container>/hami-bpf.cache for a pod's container, else
-        DIR/<sanitized group name>/hami-bpf.cache), so HAMi's node monitor keeps
-        working. At most once a second; unchanged regions are not rewritten.
-        ``gone``: that group was deleted, remove its file now. I/O errors are
-        recorded (once per path) and never stop the daemon; an unsafe DIR is
-        refused at start-up."""
-        import hashlib
-        import re
-        import stat as st_
-        from . import hami_region as hr
-        s = self.__dict__.get("_hr")
-        if s is None:
-            s = self._hr = {"files": {}, "last": {}, "errors": set(), "next": 0.0, "checked": False}
-        root = os.path.abspath(self.cfg.hami_regions)
-
-        def err(path: str, what: str) -> None:
-            if path not in s["errors"]:
-                s["errors"].add(path)
-                self.record("error", f"--hami-regions: {what}", path=path)
-
-        def remove(group: str) -> None:
-            d, f, made = s["files"].pop(group)
-            s["last"].pop(f, None)
-            try:
-                os.unlink(f)
-                if made:
-                    os.rmdir(d)
-            except FileNotFoundError:
-                pass
-            except OSError as e:
-                err(f, f"removing {f}: {e}")
-
-        if gone is not None:
-            if gone in s["files"]:
-                remove(gone)
-            return
-        # The directory must be ours alone: a link or a directory others can
-        # write to would let them steer what root writes.
-        first = not s["checked"]
-        try:
-            if first:
-                os.makedirs(root, 0o755, exist_ok=True)
-            st = os.lstat(root)
-            bad = ("is a symbolic link" if st_.S_ISLNK(st.st_mode) else
-                   "is not a directory" if not st_.S_ISDIR(st.st_mode) else
-                   "is writable by group or others" if st.st_mode & 0o022 else
-                   f"is owned by uid {st.st_uid}, not {os.geteuid()}" if st.st_uid != os.geteuid()
-                   else None)
-        except OSError as e:
-            bad = str(e)
-        if bad:
-            if first:
-                raise DaemonError(f"--hami-regions {root}: {bad}; refusing to write there")
-            err(root, f"{root} {bad}: not publishing")
-            return
-        s["checked"] = True
-        s["errors"].discard(root)
-        if now is not None and now < s["next"]:
-            self._dirty = True          # come back when due: the change must not be lost
-            return
-        s["next"] = (now if now is not None else time.monotonic()) + 1.0
-        snap = self._snap
-        js = snap.to_json()
-        by_pid = {p.pid: p for p in snap.processes}
-        devinfo = {d.index: d for d in snap.devices}
-        ndev = min(self.devices.count if hasattr(self, "devices") else len(devinfo), hr.MAX_DEVICES)
-        live = set()
-        for g in snap.groups:
-            if self.table.group(g.id) is None:
-                continue    # deleted since the snapshot: its region went with it
-            live.add(g.id)
-            first_pid = g.slots[0].pid if g.slots else None
-            info = self.info.get(first_pid) if first_pid is not None else None
-            p0 = by_pid.get(first_pid) if first_pid is not None else None
-            lab = dict(p0.labels) if p0 else {}
-            if lab.get("pod_uid") and lab.get("container"):
-                name = hr.region_dir_name(lab["pod_uid"], lab["container"])
-            else:
-                name = re.sub(r"[^A-Za-z0-9_.-]", "_", g.id)[:120]
-                if name != g.id or name.startswith("."):
-                    name = f"{name}-{hashlib.sha1(g.id.encode()).hexdigest()[:8]}"
-            if "/" in name or name in (".", ".."):
-                name = "group-" + hashlib.sha1(g.id.encode()).hexdigest()[:16]
-            d = os.path.join(root, name)
-            f = os.path.join(d, "hami-bpf.cache")
-            old = s["files"].get(g.id)
-            if old and old[1] != f:
-                remove(g.id)
-                old = None
-            visible = [x for x in (info.phys if info else range(ndev))][:ndev]
-            uuids = [(devinfo[x].uuid if x in devinfo and devinfo[x].uuid else f"hami-bpf-dev{x}")
-                     for x in visible]
-            caps = self.sm_caps.get(g.id, {})
-            try:
-                region = hr.region_from_snapshot(js, g.id, uuids, visible,
-                                                 context_bytes=self.ctx_bytes,
-                                                 sm_limits=[caps.get(x, 0) for x in visible])
-                if old is None:
-                    made = not os.path.isdir(d)
-                    if made:
-                        os.mkdir(d, 0o755)
-                    s["files"][g.id] = (d, f, made)
-                elif not os.path.isdir(d):     # removed under us (HAMi's monitor cleans up)
-                    os.mkdir(d, 0o755)
-                if s["last"].get(f) == region and os.path.exists(f):
-                    continue
-                s["last"].pop(f, None)
-                hr.publish_region(f, region)
-                s["last"][f] = region
-                s["errors"].discard(f)
-            except (OSError, ValueError) as e:
-                err(f, f"group {g.id!r}: writing {f}: {e}")
-        for group in [x for x in s["files"] if x not in live]:
-            remove(group)
+        if self.regions and self.regions.publish(self._snap, now) is False:
+            self._dirty = True          # not due yet: come back, the change must not be lost
 
 
 # Signals whose default action ends the process: each gets SIGTERM's

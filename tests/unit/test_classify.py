@@ -194,7 +194,7 @@ def test_any_environment_registers_within_the_policy(sleeper, monkeypatch, env):
     for dev in range(2):
         lim = d.table.limits(view.group).get(dev)
         assert lim is not None and lim <= GiB
-    assert all(cap <= 50 for cap in d.sm_caps.get(view.group, {}).values())
+    assert all(cap <= 50 for cap in d.sm.caps(view.group).values())
 
 
 @pytest.mark.parametrize("stage", ["environment", "limits", "group", "pod"])

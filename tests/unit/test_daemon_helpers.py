@@ -78,7 +78,7 @@ def test_a_controller_killed_while_holding_a_group_leaves_a_record_of_each_stop(
         d.stopped = enforce.StoppedSet(str(tmp_path))
         for p in peers:
             d.table.apply(ProcessRegistered(ProcKey(p.pid, enforce.proc_start_time(p.pid)), "g"))
-        d.sm_caps["g"] = {0: 30}
+        d.sm.sm_caps["g"] = {0: 30}
         signals = []
 
         def dying_kill(pid, sig):
@@ -91,7 +91,7 @@ def test_a_controller_killed_while_holding_a_group_leaves_a_record_of_each_stop(
         e = abi.Event()
         e.tgid = peers[0].pid
         try:
-            d._throttle(e)
+            d.sm.on_hold(e)
         except KeyboardInterrupt:
             pass
         assert signals == [peers[1].pid]
@@ -117,13 +117,13 @@ def test_a_failing_sm_tick_releases_every_hold_and_the_loop_goes_on(tmp_path):
         d = Daemon(DaemonConfig(state_dir=str(tmp_path)))
         d.stopped = enforce.StoppedSet(str(tmp_path))
         d.table.apply(ProcessRegistered(ProcKey(p.pid, enforce.proc_start_time(p.pid)), "g"))
-        d.sm_caps["g"] = {0: 30}
+        d.sm.sm_caps["g"] = {0: 30}
         os.kill(p.pid, 19)
         d.stopped.add_many([(p.pid, enforce.proc_start_time(p.pid))], "SM cap of group g")
-        d.throttled["g"] = {p.pid}
-        d.throttle_since["g"] = 0.0
-        d._sm_failed(KeyError("sync_at"))
-        assert "g" not in d.throttled
+        d.sm.throttled["g"] = {p.pid}
+        d.sm.throttle_since["g"] = 0.0
+        d.sm.fail_open(KeyError("sync_at"))
+        assert "g" not in d.sm.throttled
         assert enforce.proc_state(p.pid) not in ("T", "t")
         assert d.counters["sm_errors"] == 1
         ev = [e for e in d.events_log if e.kind == "error"]
