@@ -13,6 +13,7 @@
  *   allocpool SIZE | create SIZE DEV | vmm SIZE DEV | free ID | meminfo
  *   totalmem N | launch N | launchex N | coop N | graph N
  *   getproc NAME [FLAGS] | procalloc SIZE | thread CMD... | sleep MS
+ *   copyalloc PATH SIZE UNLINK (through a private copy of the driver at PATH)
  *   stress THREADS ITERS SIZE (threads on this thread's context, alloc+free)
  *   exit CODE | crash | hang | exec
  * exit, crash, hang and exec answer before they act (`ok exit=CODE`,
@@ -416,6 +417,40 @@ static void run_command(char *line)
         }
         int id = rc ? -1 : new_slot(kind, ptr, 0, sz);
         reply("ok rc=%d id=%d ptr=0x%llx", rc, id, rc ? 0ULL : ptr);
+    } else if (!strcmp(c, "copyalloc")) {
+        /* A private copy of the driver library, as a process may load one:
+         * dlopen PATH (then unlink it if UNLINK is 1), and through it alone
+         * cuInit, device 0's primary context and one allocation of SIZE. */
+        NEED(3, "copyalloc PATH SIZE UNLINK");
+        SIZE_ARG(2, "copyalloc PATH SIZE UNLINK");
+        void *h = dlopen(argv[1], RTLD_NOW | RTLD_LOCAL);
+        if (!h) {
+            reply("err dlopen %s: %s", argv[1], dlerror());
+            goto out;
+        }
+        if (!strcmp(argv[3], "1") && unlink(argv[1])) {
+            reply("err unlink %s: %s", argv[1], strerror(errno));
+            goto out;
+        }
+        CUresult (*init)(unsigned) = (CUresult (*)(unsigned))dlsym(h, "cuInit");
+        CUresult (*retain)(CUcontext *, CUdevice) =
+            (CUresult (*)(CUcontext *, CUdevice))dlsym(h, "cuDevicePrimaryCtxRetain");
+        CUresult (*setcur)(CUcontext) = (CUresult (*)(CUcontext))dlsym(h, "cuCtxSetCurrent");
+        CUresult (*alloc)(CUdeviceptr *, size_t) =
+            (CUresult (*)(CUdeviceptr *, size_t))dlsym(h, "cuMemAlloc_v2");
+        if (!init || !retain || !setcur || !alloc) {
+            reply("err %s lacks the driver API", argv[1]);
+            goto out;
+        }
+        CUcontext ctx = NULL;
+        rc = init(0);
+        if (!rc)
+            rc = retain(&ctx, 0);
+        if (!rc)
+            rc = setcur(ctx);
+        if (!rc)
+            rc = alloc(&ptr, sz);
+        reply("ok rc=%d ptr=0x%llx", rc, rc ? 0ULL : ptr);
     } else if (!strcmp(c, "allocpitch")) {
         NEED(3, "allocpitch W H ELEM");
         unsigned long long w, h;
