@@ -33,7 +33,7 @@ asked for stays its to end when the group leaves DUTY mode or loses its cap
 while held (it is released then: its debts are forgiven).
 
 The synchronize rate that decides the mode is counted per second of running
-(time held left out, by this pacer or the launch budget): a group held three quarters of the time at cap 25
+(time held by this pacer left out; the launch budget's holds stay in): a group held three quarters of the time at cap 25
 synchronizes a quarter as often per second of wall time, which would hand it
 back to the launch budget and then, running freely, to this pacer again.
 
@@ -196,12 +196,11 @@ class DutyPacer:
             else:
                 k.debt += ran * k.owes_per_s()
             k.debt -= dt - ran
-            # Every hold, the launch budget's too: a decode loop that the budget
-            # holds most of the time synchronizes rarely per second of wall
-            # time, and would stay with a budget that nearly stops it. A slow
-            # loop that looks fast this way is paced by time and runs over its
-            # cap rather than under it (holds wait for its synchronizes).
-            k.held_s += dt - ran
+            if k.mode is Mode.DUTY:
+                # Only its own holds: time the launch budget holds a group
+                # for would make a slow loop look like a fast one per second
+                # of running, and hand it to this pacer.
+                k.held_s += dt - ran
             k.debt = min(max(k.debt, -BURST_S * k.owes_per_s()), MAX_DEBT_S)
             k.t, k.consumed, k.syncs = now, u.consumed, u.syncs
             k.sync_marks.append((now, u.syncs, k.held_s))

@@ -332,32 +332,6 @@ def test_own_driver_limit_applies_from_the_first_call(daemon, fakecuda, own_lib)
     assert counters.get("lib_opens_probed", 0) >= 1 and counters.get("lib_opens", 0) >= 2
 
 
-@pytest.mark.parametrize("unlink", [False, True])
-def test_a_copy_loaded_later_and_unlinked_is_limited(daemon, fakecuda, tmp_path, unlink):
-    """A process already registered through the host's library loads a copy
-    of the driver from another path (and, with `unlink`, removes the file at
-    once) and allocates through that copy alone: the open gate held it at the
-    copy's mapping until the copy was probed, so the group's limit counts what
-    it allocates there."""
-    if daemon.snapshot()["mechanisms"].get("private_libs") != "held at open until probed":
-        pytest.fail(f"the open gate is not in use here: {daemon.snapshot()['mechanisms']}")
-    copy = tmp_path / "libcuda-copy.so.1"
-    shutil.copy2(fakecuda.libcuda, copy)
-    env = {"CUDA_DEVICE_MEMORY_LIMIT": "16m"}
-    with Tracked.spawn(fakecuda, gname("ns"), env=env) as t:
-        t.alloc("alloc 8M", 0)
-        converge(daemon, [t])
-        r = t.cmd(f"copyalloc {copy} 12M {int(unlink)}")
-        assert int(r["rc"]) == OOM, "an allocation through a private copy went past the limit"
-        assert copy.exists() != unlink
-        r = t.cmd(f"copyalloc {copy} 4M 0" if not unlink else "sleep 0")
-        if not unlink:     # within the limit, and charged: the copy's bytes are counted
-            assert int(r["rc"]) == 0, r
-            t.held[-1] = (0, 4 * MiB)
-        converge(daemon, [t])
-        assert enforce.proc_state(t.pid) not in ("T", "t")
-
-
 def _settled_perf_fds(pid: int, timeout: float = 20.0) -> int:
     """Detaching runs in the background (~0.2 s per probe on 6.18): wait until
     an earlier test's detach is over before taking a baseline."""
@@ -389,6 +363,37 @@ def test_own_driver_detached_after_last_user(daemon, fakecuda, own_lib):
              GRACE_S + 25, what="detach")
     detached = _settled_perf_fds(pid)
     assert attached - detached >= 10, (attached, detached)   # a whole library's probes went
+
+
+@pytest.mark.parametrize("unlink", [False, True])
+def test_a_copy_loaded_later_and_unlinked_is_limited(daemon, fakecuda, tmp_path, unlink):
+    """A process already registered through the host's library loads a copy
+    of the driver from another path (and, with `unlink`, removes the file at
+    once) and allocates through that copy alone: the open gate held it at the
+    copy's mapping until the copy was probed, so the group's limit counts what
+    it allocates there."""
+    if daemon.snapshot()["mechanisms"].get("private_libs") != "held at open until probed":
+        pytest.fail(f"the open gate is not in use here: {daemon.snapshot()['mechanisms']}")
+    copy = tmp_path / "libcuda-copy.so.1"
+    shutil.copy2(fakecuda.libcuda, copy)
+    env = {"CUDA_DEVICE_MEMORY_LIMIT": "16m"}
+    before = _settled_perf_fds(daemon.proc.pid)
+    with Tracked.spawn(fakecuda, gname("ns"), env=env) as t:
+        t.alloc("alloc 8M", 0)
+        converge(daemon, [t])
+        r = t.cmd(f"copyalloc {copy} 12M {int(unlink)}")
+        assert int(r["rc"]) == OOM, "an allocation through a private copy went past the limit"
+        assert copy.exists() != unlink
+        r = t.cmd(f"copyalloc {copy} 4M 0" if not unlink else "sleep 0")
+        if not unlink:     # within the limit, and charged: the copy's bytes are counted
+            assert int(r["rc"]) == 0, r
+            t.held[-1] = (0, 4 * MiB)
+        converge(daemon, [t])
+        assert enforce.proc_state(t.pid) not in ("T", "t")
+    # The copy's last user is gone: it is detached after the grace time (and
+    # the tests after this one count the daemon's probes from here).
+    wait_for(lambda: None if perf_fds(daemon.proc.pid) <= before else "the copy is still probed",
+             GRACE_S + 25, what="the copy's detach")
 
 
 def test_zz_daemon_consistent_after_namespaced_workloads(daemon):

@@ -269,29 +269,6 @@ def test_a_longer_quantum_holds_less_often_for_longer(quantum):
     assert asked - became == pytest.approx(quantum, abs=0.021)
 
 
-def test_a_fast_loop_the_launch_budget_holds_most_of_the_time_is_paced_by_time():
-    """A decode loop (a synchronize per token) whose launch budget, learned
-    in its warm-up, holds it 80% of the time: per second of wall time it
-    synchronizes 12 times, per second of running 60. Paced by time it gets
-    its cap; left with the budget it would nearly stop."""
-    p = DutyPacer()
-    now, ran, syncs, since = 0.0, 0.0, 0, None
-    modes = []
-    for i in range(300):
-        now = round(now + 0.01, 6)
-        held = i % 5 != 4                   # the budget: held 40 ms of every 50
-        if held:
-            since = since if since is not None else now - 0.01
-        else:
-            since = None
-            ran += 0.01                     # it gets on only while it runs
-            syncs = int(ran * 60)
-        d = p.step(obs(now, syncs * 100, syncs, cap=50.0, held_since=since))
-        modes.append(d.keys[KEY].mode)
-    assert Mode.DUTY in modes[-100:], "a loop that synchronizes 60 times per second of running " \
-        "stayed with the launch budget"
-
-
 def test_budget_below_paced_hz():
     p = DutyPacer()
     p.step(obs(0.0))
