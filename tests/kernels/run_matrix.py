@@ -22,8 +22,9 @@ The host row runs the same tests directly (the host's own kernel is not booted).
 
 `--fetch-only` does steps 1-2 and stops (.ci/run runs it in the background
 while the host's tests run). A guest that fails to boot (no /init, or init.sh
-could not hand over to guest.sh) is booted once more; a test that fails is not
-retried. How long each step took goes to results/timings.txt.
+could not hand over to guest.sh) is booted once more, and so is one whose kernel
+tripped over its own text patching (patching_oops); a test that fails is not
+retried, and the row says when it ran twice and why. How long each step took goes to results/timings.txt.
 
 Prints a table kernel x mechanism -> passed / skipped (reason) / failed and
 writes it to /var/cache/hami-bpf/kernels/results/table.md. Exit status 1 if any test
@@ -436,6 +437,19 @@ def boot_failure(outdir: Path, qemu_rc: int | None, timed_out: bool) -> str:
     return f"{why} ({how}; console: {tail[-300:]})"
 
 
+def patching_oops(console: str) -> str:
+    """The guest kernel tripped over its own text patching: an int3 Oops at a
+    kernel address outside any BPF program (seen on 7.3 under TCG, at
+    trace_syscall_exit while the daemon enables syscall tracepoints: the
+    patch's int3 taken after the kernel had finished with it). Not a test's
+    failure, and not ours: "" when the console shows none."""
+    console = re.sub(r"\x1b(\[[0-9;?]*[A-Za-z]|c)", "", console)
+    m = re.search(r"Oops: int3\b[^\n]*\n(?:[^\n]*\n){0,8}?[^\n]*RIP: 0010:(\S+)", console)
+    if not m or "bpf_prog" in m.group(1):
+        return ""
+    return f"guest kernel Oops (int3) in its own text patching at {m.group(1)}"
+
+
 def run_host(outdir: Path, timeout: float) -> dict:
     shutil.rmtree(outdir, ignore_errors=True)
     outdir.mkdir(parents=True)
@@ -642,12 +656,17 @@ def run_guest(row: Row, k: Kernel, args) -> tuple[str, float]:
         log(f"{key}: {row.how}")
         row.run = boot(k, row.outdir, accel, args.timeout, not args.no_lockdown_pass,
                        args.guest_patch)
-        if row.run["boot_failure"]:
-            # Only a boot is retried: a failing test fails the row.
-            first_why = row.run["boot_failure"]
+        try:
+            oops = patching_oops((row.outdir / "console.log").read_text(errors="replace"))
+        except OSError:
+            oops = ""
+        if row.run["boot_failure"] or oops:
+            # Only a boot, or a guest kernel that tripped over its own text
+            # patching, is retried: a failing test fails the row.
+            first_why = row.run["boot_failure"] or oops
             first = Path(f"{row.outdir}.attempt1")
-            log(f"{key}: the guest did not boot: {first_why}; booting it once more "
-                f"(first attempt kept in {first})")
+            log(f"{key}: {'the guest did not boot' if row.run['boot_failure'] else 'the guest crashed'}: "
+                f"{first_why}; booting it once more (first attempt kept in {first})")
             shutil.rmtree(first, ignore_errors=True)
             row.outdir.rename(first)
             row.run = boot(k, row.outdir, accel, args.timeout, not args.no_lockdown_pass,
