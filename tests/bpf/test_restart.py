@@ -305,10 +305,12 @@ def test_a_new_version_takes_over_from_another_checkout(fakecuda, policy, workdi
             a.free(big)
             a.alloc(f"alloc {24 * MiB}", 0)
             converge(new, [a, b, c])
-            # the cap holds under the new daemon too, and its holds end
+            # the cap holds under the new daemon too, and its holds end; the
+            # loop may have finished unprobed while no daemon ran: launch again
+            if not run.t.is_alive():
+                run = Launching(c.proc, 1_000_000_000)
             wait_for(lambda: None if new.snapshot()["counters"].get("throttle_episodes", 0) >= 2
-                     else "the capped process was not held again (still launching: "
-                     f"{run.t.is_alive()})", 30,
+                     else "the capped process was not held again", 30,
                      what="SM holds after the upgrade", deadlines=new.deadlines)
             c.proc.kill()
             run.t.join(30)
