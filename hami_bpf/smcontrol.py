@@ -455,7 +455,7 @@ class SmControl:
             if name in self.throttled:
                 held[g.index] = self.throttle_since.get(name, now)
         waiting = self.probes.sync_waiting() if caps else {}
-        obs = duty.Observation(now=now, caps=caps, held=held, use={
+        obs = duty.Observation(now=now, caps=caps, held=held, turns=frozenset(self.turns), use={
             k: duty.Use(consumed=v[0], syncs=v[5], waiting=waiting.get(k, 0))
             for k, v in use.items() if k in caps})
         d = self.duty.step(obs)

@@ -32,10 +32,20 @@ outlives that, so a wrong estimate can only let a group run more. A hold it
 asked for stays its to end when the group leaves DUTY mode or loses its cap
 while held (it is released then: its debts are forgiven).
 
-The synchronize rate that decides the mode is counted per second of running
-(time held by this pacer left out; the launch budget's holds stay in): a group held three quarters of the time at cap 25
+The synchronize rate that decides the mode is counted per second of running,
+time held left out: a group held three quarters of the time at cap 25
 synchronizes a quarter as often per second of wall time, which would hand it
-back to the launch budget and then, running freely, to this pacer again.
+back to the launch budget and then, running freely, to this pacer again; and
+a decode loop that the launch budget holds most of the time (its rate learned
+in a warm-up unlike its steady state) still synchronizes a hundred times a
+second of running, and is paced here. The one exception: a group that left
+this pacer because it synchronized rarely while it ran freely keeps the launch
+budget's holds in its rate for a while (BUDGET_STAY_S, doubled at each return,
+up to BUDGET_STAY_MAX_S): a loop whose synchronizes come at set wall-clock
+times synchronizes more often per second of running the longer the budget
+holds it, and would go back and forth between the two. Nor does a group
+whose budget takes turns with others' (Observation.turns) leave out its
+holds: those are its time slices, not an estimate gone wrong.
 
 Groups that synchronize rarely (below PACED_HZ) are not paced here: their
 work sits in a launch queue that a hold does not drain, and the launch
@@ -58,6 +68,8 @@ SYNC_WINDOW_S = 1.0    # synchronize rate measured over this long of running (he
 RATE_WALL_S = 5.0      # ... looking back this far at most
 PACED_HZ = 20.0        # synchronizes per second of running at which a group is paced by time
 UNPACED_HZ = 10.0      # ... and below which it goes back to the launch budget
+BUDGET_STAY_S = 5.0    # back with the budget for synchronizing rarely: its holds count as running
+BUDGET_STAY_MAX_S = 60.0   # ... doubled at each return, at most this
 MAX_STEP_S = 0.5       # a longer gap between steps (a stalled controller) counts as this
 DUTY_WAIT_S = 0.005    # a group waiting for another's turn to end looks again this soon
 DUE_EPS_S = 1e-6       # a debt or hold this close to its end has ended (a step at next_step
@@ -89,6 +101,9 @@ class Observation:
     caps: Mapping[tuple[int, int], float]       # (group index, device) -> cap percent
     use: Mapping[tuple[int, int], Use]
     held: Mapping[int, float]                   # group index -> held since (monotonic)
+    # keys whose launch budget takes turns with other groups' on their device:
+    # their holds are the turns' time slices, which count as running here
+    turns: frozenset = frozenset()
 
 
 @dataclass(frozen=True)
@@ -118,6 +133,9 @@ class _Key:
     last_active: float = -1e9
     asked_since: float | None = None
     held_s: float = 0.0     # time counted held, in all
+    stay_until: float = -1e9    # until then the launch budget's holds count as running
+    returns: int = 0            # times it went back to the budget for synchronizing rarely
+    since: float = 0.0          # in its mode since
     sync_marks: collections.deque = field(default_factory=collections.deque)
 
     def owes_per_s(self) -> float:
@@ -196,10 +214,7 @@ class DutyPacer:
             else:
                 k.debt += ran * k.owes_per_s()
             k.debt -= dt - ran
-            if k.mode is Mode.DUTY:
-                # Only its own holds: time the launch budget holds a group
-                # for would make a slow loop look like a fast one per second
-                # of running, and hand it to this pacer.
+            if k.mode is Mode.DUTY or (now >= k.stay_until and key not in obs.turns):
                 k.held_s += dt - ran
             k.debt = min(max(k.debt, -BURST_S * k.owes_per_s()), MAX_DEBT_S)
             k.t, k.consumed, k.syncs = now, u.consumed, u.syncs
@@ -208,7 +223,12 @@ class DutyPacer:
             mode = (Mode.DUTY if rate >= PACED_HZ else
                     Mode.BUDGET if rate < UNPACED_HZ else k.mode)
             if mode != k.mode:
-                k.mode = mode
+                if mode is Mode.BUDGET:
+                    if now - k.since >= BUDGET_STAY_MAX_S:
+                        k.returns = 0       # paced by time this long: a phase, not a see-saw
+                    k.stay_until = now + min(BUDGET_STAY_S * 2 ** k.returns, BUDGET_STAY_MAX_S)
+                    k.returns += 1
+                k.mode, k.since = mode, now
                 k.debt = min(k.debt, 0.0)
                 k.asked_since = None
                 changes.append((key, mode))

@@ -1,6 +1,7 @@
 """The duty pacer (hami_bpf.sm.duty), stepped directly with made-up observations."""
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -392,6 +393,77 @@ def test_the_rate_counts_running_time_so_a_held_group_stays_paced():
             since = now
     assert changes == [Mode.DUTY]
     assert held_s / now > 0.5
+
+
+def drive_under_budget(p, seconds, sync_due, budget_run=0.015, budget_cycle=0.1, cap=50.0,
+                       turns=False):
+    """A group the launch budget holds (BUDGET mode: `budget_run` of every
+    `budget_cycle` seconds running) and the pacer holds when it asks (DUTY
+    mode). `sync_due(now, ran)` says whether a synchronize returns in this
+    10 ms tick (`ran`: seconds run since the last one). Returns the mode
+    changes [(t, mode)] and the seconds spent in DUTY mode."""
+    now, consumed, syncs, ran, since = 0.0, 0, 0, 0.0, None
+    p.step(obs(now, cap=cap))
+    changes, in_duty, last_sync, budget_since = [], 0.0, 0.0, None
+    for i in range(1, int(seconds / 0.01)):
+        now = i * 0.01
+        mode = p.mode(KEY)
+        if mode is Mode.DUTY:
+            in_duty += 0.01
+        budget_held = mode is not Mode.DUTY and (now % budget_cycle) >= budget_run - 1e-9
+        if since is None and not budget_held:
+            consumed += 1
+            ran += 0.01
+            if sync_due(now, ran, last_sync):
+                syncs, ran, last_sync = syncs + 1, 0.0, now
+        if budget_held:
+            budget_since = now - 0.01 if budget_since is None else budget_since
+        else:
+            budget_since = None
+        held_since = since if since is not None else budget_since
+        o = obs(now, consumed, syncs, cap=cap, held_since=held_since)
+        if turns:
+            o = dataclasses.replace(o, turns=frozenset({KEY}))
+        d = p.step(o)
+        changes += [(now, m) for key, m in d.mode_changes if key == KEY]
+        if since is not None and KEY[0] in d.release:
+            since = None
+        elif since is None and d.keys[KEY].ask is not Ask.NONE:
+            since = now
+    return changes, in_duty
+
+
+def test_a_loop_the_budget_holds_most_of_the_time_is_paced_by_time():
+    # A decode loop: a synchronize every 10 ms it runs. Its launch budget
+    # (learned in a warm-up unlike its steady state) lets it run 15% of the
+    # time: 15 synchronizes a second of wall time, under PACED_HZ. Per
+    # second of running it is a fast loop, and time pacing takes it over.
+    changes, in_duty = drive_under_budget(DutyPacer(), 20.0, lambda now, ran, last: True)
+    assert changes and changes[0][1] is Mode.DUTY and changes[0][0] <= 3.0, changes
+    assert [m for _t, m in changes] == [Mode.DUTY]
+
+
+def test_a_loop_that_synchronizes_by_the_wall_clock_does_not_see_saw():
+    # A loop that synchronizes every 250 ms of wall time, whatever it was let
+    # run: per second of running, the budget's holds make it look fast (27 Hz
+    # at 15% running); paced by time, it is slow (4 Hz) and goes back. It
+    # goes back and forth at most a few times, each time staying with the
+    # budget longer.
+    changes, in_duty = drive_under_budget(
+        DutyPacer(), 120.0, lambda now, ran, last: now - last >= 0.25 - 1e-9)
+    to_duty = [t for t, m in changes if m is Mode.DUTY]
+    assert 1 <= len(to_duty) <= 5, changes
+    gaps = [b - a for a, b in zip(to_duty, to_duty[1:])]
+    assert gaps == sorted(gaps), changes
+    assert in_duty < 0.15 * 120.0, (in_duty, changes)
+
+
+def test_the_time_slices_of_groups_taking_turns_count_as_running():
+    # Two budgets taking turns hold each other by design: a fast loop that
+    # runs in its slices (15% of the time) is not taken from the turns.
+    changes, in_duty = drive_under_budget(DutyPacer(), 20.0, lambda now, ran, last: True,
+                                          turns=True)
+    assert changes == [] and in_duty == 0.0
 
 
 def test_a_hold_it_did_not_ask_for_is_not_its_to_end():
