@@ -319,8 +319,13 @@ class Suite:
                 mem = pynvml.nvmlDeviceGetMemoryInfo(h)
             except Exception:  # noqa: BLE001
                 continue
+            try:
+                sm_mhz = pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)
+            except Exception:  # noqa: BLE001 - a reading; missing is shown as null
+                sm_mhz = None
             run = self.current
-            obj = {"nvml": True, "gpu": u.gpu, "mem": u.memory, "used_gib": round(mem.used / 2 ** 30, 2)}
+            obj = {"nvml": True, "gpu": u.gpu, "mem": u.memory, "used_gib": round(mem.used / 2 ** 30, 2),
+                   "sm_mhz": sm_mhz}
             if run is not None and run.t_start is not None:
                 obj.update(run=run.label, rt=round(time.monotonic() - run.t_start, 2))
             self.write(obj)

@@ -161,9 +161,12 @@ def main():
             skip = 0.0            # a run shorter than --skip: all of it
         res = analyze(lines, ref_lines or [], m["cap"], skip, a.tol)
         res["skip_s"] = skip
-        util = [o["gpu"] for o in nvml.get(m["run"], []) if a.skip <= o.get("rt", 0) <= run_s]
+        samples = [o for o in nvml.get(m["run"], []) if a.skip <= o.get("rt", 0) <= run_s]
+        util = [o["gpu"] for o in samples]
+        mhz = [o["sm_mhz"] for o in samples if o.get("sm_mhz")]
         summ = summaries.get(key, {})
         row = {**m, **res, "gpu_util": round(statistics.mean(util), 1) if util else None,
+               "sm_mhz": round(statistics.mean(mhz)) if mhz else None,
                "gpu_setup_s": summ.get("gpu_setup_s"), "import_s": summ.get("import_s")}
         if m["kind"] == "service" and m["run"] in churn:
             row["churners"] = churn[m["run"]]["churners"]
@@ -196,6 +199,8 @@ def main():
                 notes.append(f"alone at the same cap {alone[0]['ratio']:.1f}%")
         if r.get("skip_s") != a.skip:
             notes.append("short: every interval counted")
+        if r.get("sm_mhz") is not None:
+            notes.append(f"SM clock {r['sm_mhz']} MHz")
         if r.get("gpu_setup_s") is not None:
             notes.append(f"set-up {r['gpu_setup_s']:.1f} s")
         ref_row = r["kind"] == "ref"
