@@ -66,6 +66,8 @@ BURST_S = 0.1          # running time an idle (or waiting) group may bank
 ACTIVE_GRACE_S = 0.05  # launched or synchronized this recently: active on the device
 SYNC_WINDOW_S = 1.0    # synchronize rate measured over this long of running (held time left out)
 RATE_WALL_S = 5.0      # ... looking back this far at most
+MIN_SYNCS = 5          # synchronizes that make a rate over less than half a window of running
+MIN_RUN_S = 0.02       # ... and the least running it is taken over
 PACED_HZ = 20.0        # synchronizes per second of running at which a group is paced by time
 UNPACED_HZ = 10.0      # ... and below which it goes back to the launch budget
 BUDGET_STAY_S = 5.0    # back with the budget for synchronizing rarely: its holds count as running
@@ -155,8 +157,13 @@ def _sync_rate(k: _Key, now: float) -> float:
         marks.popleft()
     if not marks:
         return 0.0
-    span = max(ran(marks[0]), SYNC_WINDOW_S / 2)
-    return (k.syncs - marks[0][1]) / span
+    n, span = k.syncs - marks[0][1], ran(marks[0])
+    if span < SYNC_WINDOW_S / 2 and (n < MIN_SYNCS or now - marks[0][0] < SYNC_WINDOW_S / 2):
+        span = SYNC_WINDOW_S / 2    # too little seen to tell: counted over half a window
+    # A group held nearly all the time (a budget learned in another phase)
+    # runs a few tens of milliseconds in RATE_WALL_S: its rate is its
+    # synchronizes over that, not over half a window it never ran.
+    return n / max(span, MIN_RUN_S)
 
 
 class DutyPacer:

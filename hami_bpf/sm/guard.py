@@ -18,9 +18,12 @@ Against that target, for a group the budget held in the window:
   x FAST_MAX), so a job never crawls for more than a few windows;
 - under target - TRIM_PTS: raised by a small step (sqrt of the same ratio,
   at most x TRIM_MAX);
-- over target + TRIM_PTS, with no other group active on the device:
-  lowered, by the same ratio (at most / LOWER_MAX): a phase whose blocks
-  cost more than the learned ones.
+- over the cap itself + TRIM_PTS, with no other group active on the device:
+  lowered, by cap / utilization (at most / LOWER_MAX): a phase whose blocks
+  cost more than the learned ones. Not against the target: the reference is
+  read in whatever phase the budget learned in (a model's warm-up keeps the
+  GPU a few percent busy), and a group using less of the device than its cap
+  cannot be shown over it, so it is never lowered (fail open).
 
 Utilization is the device's: next to other groups a reading over the target
 says nothing about this group (no lowering then), a reading under it still
@@ -143,6 +146,6 @@ class Guard:
                               u, t, cap, source)
         if u < t - TRIM_PTS:
             return Correction(Reason.UNDER_CAP, min(math.sqrt(ratio), TRIM_MAX), u, t, cap, source)
-        if u > t + TRIM_PTS and not w.shared:
-            return Correction(Reason.OVER_CAP, max(ratio, 1 / LOWER_MAX), u, t, cap, source)
+        if u > cap + TRIM_PTS and not w.shared:
+            return Correction(Reason.OVER_CAP, max(cap / u, 1 / LOWER_MAX), u, t, cap, source)
         return None

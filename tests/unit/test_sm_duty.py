@@ -443,6 +443,14 @@ def test_a_loop_the_budget_holds_most_of_the_time_is_paced_by_time():
     assert [m for _t, m in changes] == [Mode.DUTY]
 
 
+def test_a_loop_the_budget_holds_nearly_all_the_time_is_paced_by_time():
+    # Let run 10 ms a second: a handful of synchronizes in RATE_WALL_S, over
+    # 50 ms of running, is a fast loop.
+    changes, _ = drive_under_budget(DutyPacer(), 20.0, lambda now, ran, last: True,
+                                    budget_run=0.01, budget_cycle=1.0)
+    assert [m for _t, m in changes] == [Mode.DUTY], changes
+
+
 def test_a_loop_that_synchronizes_by_the_wall_clock_does_not_see_saw():
     # A loop that synchronizes every 250 ms of wall time, whatever it was let
     # run: per second of running, the budget's holds make it look fast (27 Hz
