@@ -37,6 +37,11 @@ DUTY_TICK_S = 0.01         # duty pacing asks for holds this promptly
 RESUME_MARGIN_S = 0.02
 THROTTLED_SHOWN_S = 1.0   # a group held back within this long shows as throttled
 
+# Turns that keep their device under this share of what they should fill,
+# with no rate to raise, end there for TURNS_OFF_S (fail open).
+TURNS_IDLE_SHARE = 0.5
+TURNS_OFF_S = 30.0
+
 
 class SmControl:
     def __init__(self, cfg, *, probes: Callable, table: Callable, devices: Callable,
@@ -64,6 +69,7 @@ class SmControl:
         self._turn_epoch = time.monotonic()
         self._turns_read: float | None = None   # when turn_gains() last read the devices
         self._turns_util: dict[int, float | None] = {}  # ... and what it read
+        self._turns_off: dict[int, float] = {}  # device -> no turns there until (monotonic)
         # Per device, the group learning there alone and the capped groups it
         # holds meanwhile (throttle.learn_alone): (learner key, held keys).
         self.alone: dict[int, tuple[tuple[int, int] | None, frozenset]] = {}
@@ -320,7 +326,7 @@ class SmControl:
                 share.update(neighbours(util.get(dev), r, known, now, done_rates,
                                         frozenset(k for k in unpaced if k[1] == dev)))
         if self.cfg.sm_turns:
-            self._take_turns(use)
+            self._take_turns(use, now)
         paced = self._duty_step(now, use)
         util_now: dict[int, float | None] | None = None
         for group, caps in list(self.sm_caps.items()):
@@ -620,10 +626,21 @@ class SmControl:
                                 f"lowered: {said}"),
                             device=dev, gains=dict(zip((names.get(k[0], str(k[0])) for k in keys),
                                                        gains)), util=both)
+            busy = 100 * sum(self.turns[k].length for k in keys)
+            if gains is None and both is not None and both < busy * TURNS_IDLE_SHARE \
+                    and budgets and all(b.turn_slots >= 3 for b in budgets):
+                # Far idler than the turns should keep it, and nothing to raise
+                # (rates learned alone are taken as right): the rates are wrong,
+                # not the GPU. Fail open: the groups are paced side by side.
+                self._turns_off[dev] = now + TURNS_OFF_S
+                self.counters["sm_corrections_turns_idle"] += 1
+                self.record("throttle", f"device {dev}: {both:.1f}% busy in turns that should "
+                            f"fill {busy:.0f}%: no turns there for {TURNS_OFF_S:g} s",
+                            device=dev, sm_correction="turns_idle", util=both, target=busy)
             for b in budgets:
                 b.turn_short_before, b.turn_slots, b.turn_short = b.turn_short, 0, 0
 
-    def _take_turns(self, use: dict) -> None:
+    def _take_turns(self, use: dict, now: float) -> None:
         """GPU-bound groups capped on one device take turns where two or more
         have their rates; not one learning (it runs free), lending idle time,
         host-bound (throttle.gpu_bound), or launching on another device too
@@ -636,7 +653,7 @@ class SmControl:
         caps = collections.defaultdict(dict)
         for key, b in self.budgets.items():
             if (not b.learning and gpu_bound(b) and key not in self.lending
-                    and devices.get(key[0]) == {key[1]}):
+                    and devices.get(key[0]) == {key[1]} and self._turns_off.get(key[1], 0) <= now):
                 caps[key[1]][key] = b.cap
         new = {}
         for dev, on in caps.items():
