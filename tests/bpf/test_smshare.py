@@ -99,7 +99,8 @@ def test_two_groups_30_70_each_get_their_share(tmp_path, sim):
                  for cap in (30, 70)}
         got = benches_together(procs, seconds=9, settle_ms=4000, join_s=120)
         print("shares", got)
-        learned = [e["message"] for e in query(d.socket, "events", since=0)["events"] if "learned" in e["message"]]
+        learned = [e["message"] for e in query(d.socket, "events", since=0)["events"]
+                   if e["kind"] == "throttle"]
         assert len(got) == 2
         for cap, share in got.items():
             assert abs(share - cap) <= TOLERANCE, f"{got}\n" + "\n".join(learned)
