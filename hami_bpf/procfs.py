@@ -353,5 +353,10 @@ def mounts(proc: str = PROC) -> list[tuple[str, str]]:
     for line in (raw or b"").decode(errors="replace").splitlines():
         parts = line.split()
         if len(parts) >= 3:
-            out.append((parts[1], parts[2]))
+            out.append((parts[1].replace("\\040", " "), parts[2]))
     return out
+
+
+def mem_path(pid: int, proc: str = PROC) -> str:
+    """The file through which ``pid``'s memory is read and written (ptrace.py)."""
+    return f"{proc}/{pid}/mem"
