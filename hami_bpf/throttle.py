@@ -21,7 +21,7 @@ simulated GPU, bench/sim_sm.py; docs/performance.md):
    While a group learns, a synchronize's return also spends its grant (a
    BPF checkpoint, at most every 200 ms), so the grant that learning sets
    applies before the workload refills a second-deep queue.
-   A group learns alone where it can (learn_alone(), daemon._learn_alone):
+   A group learns alone where it can (learn_alone(), SmControl._learn_alone):
    the device's other capped groups are held meanwhile, at most
    LEARN_ALONE_S, since next to another process the GPU time-slices and
    the pace comes out short (H200 matmuls: 92% side by side, 72-74% next to
@@ -30,7 +30,7 @@ simulated GPU, bench/sim_sm.py; docs/performance.md):
 2. Correct F for contention. If the device was saturated while learning
    (device utilization >= SATURATED), other groups were taking part of it:
    the group's own part of the busy time, Ug (utilization attributed to it:
-   daemon._throttle_tick), scales the pace to what the whole device would
+   SmControl._throttle_tick), scales the pace to what the whole device would
    give it: F = pace x Ud / Ug. Alone, Ug = Ud and F = pace. The group's
    device time per cost unit, w = Ug / pace, is kept so that other groups
    learning later can subtract this one's part (rate x w) from the device.
