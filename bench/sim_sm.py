@@ -2,7 +2,7 @@
 """SM limiting against the simulated GPU, on any Linux host with BPF (no GPU).
 
 The stand-in libcuda's simulated GPU (FAKECUDA_GPU_SIM, see
-hami_bpf/fakecuda/libcuda.c) gives launches device time on one timeline shared
+hami_bpf/fakecuda/libcuda.c) gives launches GPU time on one timeline shared
 by all processes, a launch queue that pushes back, and synchronize calls that
 wait for the queue: the dynamics that made the controller hard to get right on
 the H200 (docs/performance.md), reproduced in seconds on a laptop. A real

@@ -7,21 +7,29 @@ import time
 
 import click
 
+from hami_bpf.eventlog import Kind
+
 from .common import CliError, json_option, socket_option
 
-# Kinds the daemon records (hami_bpf/daemon.py Daemon.record), styled on a terminal.
+# Every kind the controller records (hami_bpf/eventlog.py Kind), styled on a
+# terminal; a kind mapped to {} is printed plain.
 KIND_STYLE = {
-    "register": {"fg": "green"},
-    "compact": {"fg": "cyan"},
-    "group": {"fg": "cyan"},
-    "deny": {"fg": "red", "bold": True},
-    "error": {"fg": "red", "bold": True},
-    "fallback": {"fg": "yellow"},
-    "config": {"fg": "yellow"},
-    "limit": {"fg": "blue"},
-    "throttle": {"fg": "magenta"},
-    "recover": {"fg": "magenta"},
-    "probes": {"fg": "blue"},
+    Kind.REGISTER: {"fg": "green"},
+    Kind.EXEC: {},
+    Kind.COMPACT: {"fg": "cyan"},
+    Kind.GROUP: {"fg": "cyan"},
+    Kind.RECONCILE: {},
+    Kind.LIMIT: {"fg": "blue"},
+    Kind.DENY: {"fg": "red", "bold": True},
+    Kind.DENY_IGNORED: {},
+    Kind.THROTTLE: {"fg": "magenta"},
+    Kind.PROBES: {"fg": "blue"},
+    Kind.ADOPT: {},
+    Kind.RECOVER: {"fg": "magenta"},
+    Kind.STATE: {},
+    Kind.CONFIG: {"fg": "yellow"},
+    Kind.FALLBACK: {"fg": "yellow"},
+    Kind.ERROR: {"fg": "red", "bold": True},
 }
 
 

@@ -232,7 +232,7 @@ def _container(rest: list[str], uid: str, qos: str | None, driver: str, norm: st
     return None
 
 
-def proc_cgroup_path(pid: int, proc: str = "/proc") -> str | None:
+def proc_cgroup_path(pid: int, proc: str | None = None) -> str | None:
     """The cgroup path of ``pid`` by :func:`hami_bpf.procfs.cgroup_path` (the
     one ``--group-by cgroup`` names groups by); None if gone."""
     return procfs.cgroup_path(pid, proc)
@@ -488,12 +488,12 @@ def _mapped_key(fd: int) -> tuple[int, int] | None:
         libc.munmap(addr, size)
 
 
-def opened_lib(pid: int, fd: int, proc: str = "/proc") -> LibRef | None:
+def opened_lib(pid: int, fd: int, proc: str | None = None) -> LibRef | None:
     """The file ``pid`` holds open at ``fd`` (the open gate caught it opening
     a driver library), as a LibRef keyed like its mapping will be. Reached
     through /proc/PID/fd/N, so a file unlinked since, or one in another mount
     namespace, is still found. None if the process or the fd is gone."""
-    link = f"{proc}/{pid}/fd/{int(fd)}"
+    link = procfs.fd_path(int(fd), pid, proc)
     try:
         name = os.readlink(link)
         ours = os.open(link, os.O_RDONLY | os.O_CLOEXEC)
@@ -509,7 +509,7 @@ def opened_lib(pid: int, fd: int, proc: str = "/proc") -> LibRef | None:
     return LibRef(key[0], key[1], name.removesuffix(" (deleted)"), link, pid, deleted)
 
 
-def mapped_libcuda(pid: int, proc: str = "/proc") -> list[LibRef]:
+def mapped_libcuda(pid: int, proc: str | None = None) -> list[LibRef]:
     """The libcuda.so* files ``pid`` maps, one per file identity, in map order.
     Empty if none or if the process is gone."""
     raw = procfs.maps(pid, proc)
@@ -523,7 +523,7 @@ def mapped_libcuda(pid: int, proc: str = "/proc") -> list[LibRef]:
     return list(seen.values())
 
 
-def scan_libcuda(proc: str = "/proc", skip: Iterable[int] = ()) -> dict[int, list[LibRef]]:
+def scan_libcuda(proc: str | None = None, skip: Iterable[int] = ()) -> dict[int, list[LibRef]]:
     """Every process that maps a libcuda: ``{pid: [LibRef]}``.  For start-up
     and a periodic fallback; cost is one read of each process's maps."""
     skip = set(skip)
@@ -675,7 +675,7 @@ class ContainerView:
         return self.pod is not None or (self.ns_pid is not None and self.ns_pid != self.host_pid)
 
 
-def describe(pid: int, proc: str = "/proc", names: PodNames | None = None,
+def describe(pid: int, proc: str | None = None, names: PodNames | None = None,
              env: Mapping[str, str] | None = None, cgroup: str | None = None) -> ContainerView:
     """Host pid, in-namespace pid, cgroup path and pod of ``pid``.  ``cgroup``,
     when given, is the path already read for the process's group, so the pod

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from . import abi, slots
 
-# Counted by the daemon (daemon.py, self.counters).
+# Counted by the controller's components (one Counter, Daemon.counters).
 DAEMON_COUNTERS: tuple[str, ...] = (
     "adopted_exited",
     "adopted_processes",

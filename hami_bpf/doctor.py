@@ -208,7 +208,7 @@ def collect() -> dict[str, Any]:
         try:
             feats = probes.probe_features()
             result["features"] = feats.as_dict() if hasattr(feats, "as_dict") else feats
-            from hami_bpf.daemon import choose_mechanisms, sm_mechanism
+            from hami_bpf.startup import choose_mechanisms, sm_mechanism
             oom, meminfo = choose_mechanisms(feats)
             result["mechanisms"] = {"oom": oom, "meminfo": meminfo, "sm": sm_mechanism(feats)}
         except Exception as e:

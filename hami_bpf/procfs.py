@@ -1,6 +1,7 @@
 """Everything the daemon reads from /proc, in one place.
 
-Each function takes a ``proc`` root (default ``/proc``) so tests run on fake
+Each function takes a ``proc`` root (default: the module's ``PROC``, read at each
+call, so a test can point every reader at a fake tree at once) so tests run on fake
 trees, returns None (or an empty value) for a process that is gone, and reads
 at most a fixed number of bytes: a workload controls its environment, its
 name and, where cgroups are delegated to it, its cgroup path.  Writes through
@@ -75,34 +76,39 @@ def _pid_dir(pid: int | str, proc: str, tid: int | None = None) -> str:
 
 # --- processes and threads ----------------------------------------------------
 
-def pids(proc: str = PROC) -> list[int]:
+def pids(proc: str | None = None) -> list[int]:
     """Every pid listed in ``proc`` (unsorted)."""
+    proc = PROC if proc is None else proc
     try:
         return [int(d) for d in os.listdir(proc) if d.isdigit()]
     except OSError:
         return []
 
 
-def tasks(pid: int, proc: str = PROC) -> list[int]:
+def tasks(pid: int, proc: str | None = None) -> list[int]:
     """Thread ids of ``pid``; empty if it is gone."""
+    proc = PROC if proc is None else proc
     try:
         return [int(t) for t in os.listdir(f"{proc}/{pid}/task") if t.isdigit()]
     except OSError:
         return []
 
 
-def task_exists(pid: int, tid: int, proc: str = PROC) -> bool:
+def task_exists(pid: int, tid: int, proc: str | None = None) -> bool:
+    proc = PROC if proc is None else proc
     return os.path.exists(f"{proc}/{pid}/task/{tid}")
 
 
-def thread_exists(tid: int, proc: str = PROC) -> bool:
+def thread_exists(tid: int, proc: str | None = None) -> bool:
     """Whether a thread of that id lives (/proc/TID resolves for any thread,
     though only leaders are listed)."""
+    proc = PROC if proc is None else proc
     return os.path.exists(f"{proc}/{tid}")
 
 
-def root_path(pid: int, path: str, proc: str = PROC) -> str:
+def root_path(pid: int, path: str, proc: str | None = None) -> str:
     """``path`` as the process sees it, reached from here (its root directory)."""
+    proc = PROC if proc is None else proc
     return f"{proc}/{pid}/root{path}"
 
 
@@ -117,7 +123,8 @@ def parse_stat(raw: bytes) -> list[str]:
     return [text[:lpar].strip(), text[lpar + 1:rpar]] + text[rpar + 1:].split()
 
 
-def stat_fields(pid: int, tid: int | None = None, proc: str = PROC) -> list[str] | None:
+def stat_fields(pid: int, tid: int | None = None, proc: str | None = None) -> list[str] | None:
+    proc = PROC if proc is None else proc
     raw, _ = read_bounded(f"{_pid_dir(pid, proc, tid)}/stat", STAT_MAX)
     if raw is None:
         return None
@@ -127,8 +134,9 @@ def stat_fields(pid: int, tid: int | None = None, proc: str = PROC) -> list[str]
         return None
 
 
-def start_time(pid: int, proc: str = PROC) -> int | None:
+def start_time(pid: int, proc: str | None = None) -> int | None:
     """Field 22 (starttime, clock ticks after boot); None if gone."""
+    proc = PROC if proc is None else proc
     f = stat_fields(pid, proc=proc)
     try:
         return int(f[21]) if f else None
@@ -136,15 +144,17 @@ def start_time(pid: int, proc: str = PROC) -> int | None:
         return None
 
 
-def state(pid: int, tid: int | None = None, proc: str = PROC) -> str | None:
+def state(pid: int, tid: int | None = None, proc: str | None = None) -> str | None:
     """Field 3 (state letter) of the process or one of its threads; None if gone."""
+    proc = PROC if proc is None else proc
     f = stat_fields(pid, tid, proc)
     return f[2] if f and len(f) > 2 else None
 
 
-def user_pc(pid: int, tid: int, proc: str = PROC) -> int | None:
+def user_pc(pid: int, tid: int, proc: str | None = None) -> int | None:
     """The user pc of a task that is not in a system call (``syscall`` reads
     "-1 sp pc"); None otherwise."""
+    proc = PROC if proc is None else proc
     raw, _ = read_bounded(f"{proc}/{pid}/task/{tid}/syscall", SYSCALL_MAX)
     parts = raw.split() if raw else []
     if len(parts) == 3 and parts[0] == b"-1":
@@ -157,14 +167,16 @@ def user_pc(pid: int, tid: int, proc: str = PROC) -> int | None:
 
 # --- comm, status, environ ----------------------------------------------------
 
-def comm(pid: int, proc: str = PROC) -> str:
+def comm(pid: int, proc: str | None = None) -> str:
     """The process's name; "" if gone."""
+    proc = PROC if proc is None else proc
     raw, _ = read_bounded(f"{proc}/{pid}/comm", COMM_MAX)
     return raw.decode(errors="replace").strip() if raw else ""
 
 
-def status_field(pid: int, name: str, tid: int | None = None, proc: str = PROC) -> str | None:
+def status_field(pid: int, name: str, tid: int | None = None, proc: str | None = None) -> str | None:
     """The value of ``name:`` in ``status`` (stripped); None if gone or absent."""
+    proc = PROC if proc is None else proc
     raw = _read_lines(f"{_pid_dir(pid, proc, tid)}/status", STATUS_MAX)
     if raw is None:
         return None
@@ -175,10 +187,11 @@ def status_field(pid: int, name: str, tid: int | None = None, proc: str = PROC) 
     return None
 
 
-def ns_pids(pid: int, proc: str = PROC) -> tuple[int, int] | None:
+def ns_pids(pid: int, proc: str | None = None) -> tuple[int, int] | None:
     """``(pid as proc sees it, pid in the process's own namespace)`` from
     ``NSpid``; equal for a process in the reader's namespace.  None if gone.
     Kernels without ``NSpid`` (before 4.1) give ``(pid, pid)``."""
+    proc = PROC if proc is None else proc
     raw = _read_lines(f"{proc}/{pid}/status", STATUS_MAX)
     if raw is None:
         return None
@@ -204,8 +217,9 @@ def parse_environ(raw: bytes, truncated: bool = False) -> dict[str, str]:
     return env
 
 
-def environ(pid: int, proc: str = PROC, limit: int = ENVIRON_MAX) -> tuple[dict[str, str], bool]:
+def environ(pid: int, proc: str | None = None, limit: int = ENVIRON_MAX) -> tuple[dict[str, str], bool]:
     """(environment of ``pid``, whether it was cut at ``limit`` bytes); empty if gone."""
+    proc = PROC if proc is None else proc
     raw, cut = read_bounded(f"{proc}/{pid}/environ", limit)
     return parse_environ(raw or b"", cut), cut
 
@@ -271,8 +285,9 @@ def parse_cgroup(raw: bytes) -> str:
     return unified or "/"
 
 
-def cgroup_path(pid: int, proc: str = PROC) -> str | None:
+def cgroup_path(pid: int, proc: str | None = None) -> str | None:
     """The cgroup path of ``pid`` by :func:`parse_cgroup`; None if gone."""
+    proc = PROC if proc is None else proc
     raw = _read_lines(f"{proc}/{pid}/cgroup", CGROUP_MAX)
     return None if raw is None else parse_cgroup(raw)
 
@@ -318,40 +333,51 @@ def parse_maps(text: str) -> list[tuple[int, int, int, int, str, str, bool]]:
             for e in maps_entries(text) if e.path.startswith("/") and e.inode != 0]
 
 
-def maps(pid: int, proc: str = PROC) -> bytes | None:
+def maps(pid: int, proc: str | None = None) -> bytes | None:
     """``/proc/PID/maps`` (whole lines, at most MAPS_MAX bytes); None if gone."""
+    proc = PROC if proc is None else proc
     return _read_lines(f"{proc}/{pid}/maps", MAPS_MAX)
 
 
 # --- descriptors and mounts ---------------------------------------------------
 
-def fds(pid: int | str = "self", proc: str = PROC) -> list[int]:
+def fds(pid: int | str = "self", proc: str | None = None) -> list[int]:
     """Open descriptors of ``pid`` (default: this process)."""
+    proc = PROC if proc is None else proc
     try:
         return [int(n) for n in os.listdir(f"{proc}/{pid}/fd") if n.isdigit()]
     except OSError:
         return []
 
 
-def fd_target(fd: int, pid: int | str = "self", proc: str = PROC) -> str | None:
+def fd_target(fd: int, pid: int | str = "self", proc: str | None = None) -> str | None:
+    proc = PROC if proc is None else proc
     try:
         return os.readlink(f"{proc}/{pid}/fd/{fd}")
     except OSError:
         return None
 
 
-def fd_path(fd: int, pid: int | None = None, proc: str = PROC) -> str:
+def fd_path(fd: int, pid: int | None = None, proc: str | None = None) -> str:
     """A path that opens the file behind descriptor ``fd`` of ``pid`` (default:
     this process, by number, so the path stays valid for other readers)."""
+    proc = PROC if proc is None else proc
     return f"{proc}/{os.getpid() if pid is None else pid}/fd/{fd}"
 
 
-def mounts(proc: str = PROC) -> list[tuple[str, str]]:
+def mounts(proc: str | None = None) -> list[tuple[str, str]]:
     """(mount point, filesystem type) of each mount this process sees."""
+    proc = PROC if proc is None else proc
     raw = _read_lines(f"{proc}/self/mounts", MOUNTS_MAX)
     out = []
     for line in (raw or b"").decode(errors="replace").splitlines():
         parts = line.split()
         if len(parts) >= 3:
-            out.append((parts[1], parts[2]))
+            out.append((parts[1].replace("\\040", " "), parts[2]))
     return out
+
+
+def mem_path(pid: int, proc: str | None = None) -> str:
+    """The file through which ``pid``'s memory is read and written (ptrace.py)."""
+    proc = PROC if proc is None else proc
+    return f"{proc}/{pid}/mem"

@@ -19,6 +19,8 @@ import os
 import time
 from typing import NamedTuple
 
+from . import procfs
+
 __all__ = [
     "PtraceError",
     "Regs",
@@ -208,7 +210,7 @@ def read_mem(pid: int, addr: int, n: int) -> bytes:
     if err == errno.ESRCH:
         raise PtraceError(err, "process_vm_readv", f"pid {pid}")
     try:
-        with open(f"/proc/{pid}/mem", "rb", buffering=0) as f:
+        with open(procfs.mem_path(pid), "rb", buffering=0) as f:
             f.seek(addr)
             data = f.read(n)
     except OSError as e:
@@ -217,7 +219,7 @@ def read_mem(pid: int, addr: int, n: int) -> bytes:
             "read_mem",
             f"pid {pid}",
             f"{n} bytes at {addr:#x}: process_vm_readv: {os.strerror(err)}; "
-            f"/proc/{pid}/mem: {e.strerror}",
+            f"{procfs.mem_path(pid)}: {e.strerror}",
         ) from None
     if len(data) != n:
         raise PtraceError(
@@ -245,7 +247,7 @@ def write_mem(pid: int, addr: int, data: bytes) -> None:
     if err == errno.ESRCH:
         raise PtraceError(err, "process_vm_writev", f"pid {pid}")
     try:
-        with open(f"/proc/{pid}/mem", "r+b", buffering=0) as f:
+        with open(procfs.mem_path(pid), "r+b", buffering=0) as f:
             f.seek(addr)
             written = f.write(bytes(data))
     except OSError as e:
@@ -254,7 +256,7 @@ def write_mem(pid: int, addr: int, data: bytes) -> None:
             "write_mem",
             f"pid {pid}",
             f"{n} bytes at {addr:#x}: process_vm_writev: {os.strerror(err)}; "
-            f"/proc/{pid}/mem: {e.strerror}",
+            f"{procfs.mem_path(pid)}: {e.strerror}",
         ) from None
     if written != n:
         raise PtraceError(

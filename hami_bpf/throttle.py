@@ -21,7 +21,7 @@ simulated GPU, bench/sim_sm.py; docs/performance.md):
    While a group learns, a synchronize's return also spends its grant (a
    BPF checkpoint, at most every 200 ms), so the grant that learning sets
    applies before the workload refills a second-deep queue.
-   A group learns alone where it can (learn_alone(), daemon._learn_alone):
+   A group learns alone where it can (learn_alone(), SmControl._learn_alone):
    the device's other capped groups are held meanwhile, at most
    LEARN_ALONE_S, since next to another process the GPU time-slices and
    the pace comes out short (H200 matmuls: 92% side by side, 72-74% next to
@@ -30,9 +30,9 @@ simulated GPU, bench/sim_sm.py; docs/performance.md):
 2. Correct F for contention. If the device was saturated while learning
    (device utilization >= SATURATED), other groups were taking part of it:
    the group's own part of the busy time, Ug (utilization attributed to it:
-   daemon._throttle_tick), scales the pace to what the whole device would
+   SmControl._throttle_tick), scales the pace to what the whole device would
    give it: F = pace x Ud / Ug. Alone, Ug = Ud and F = pace. The group's
-   device time per cost unit, w = Ug / pace, is kept so that other groups
+   GPU time per cost unit, w = Ug / pace, is kept so that other groups
    learning later can subtract this one's part (rate x w) from the device.
    F is never more than the launcher's own loop can launch: cost per second
    of its time outside synchronize calls (`sync_ns`), so a launch-bound
@@ -602,7 +602,7 @@ def neighbours(device_util: float | None, rates: dict, known: dict,
                now: float | None = None, done_rates: dict | None = None,
                unpaced: frozenset = frozenset()) -> dict:
     """{key: cost rate over the last tick} of the groups on one device ->
-    {key: DeviceView}. A group whose device time per unit is known (`known`:
+    {key: DeviceView}. A group whose GPU time per unit is known (`known`:
     {key: Budget}) takes rate x w of the device, where its rate is what it
     completed if it synchronizes (what it launched can run ahead of what the
     device gives it while others contend); the others' rates are passed on,

@@ -148,12 +148,12 @@ static unsigned long long g_launches;
  * The simulated GPU (FAKECUDA_GPU_SIM=/dev/shm/NAME): one timeline per device,
  * shared by every process that maps the same file, so processes compete for
  * it as they do for a real GPU.  A launch appends FAKECUDA_NS_PER_BLOCK x
- * blocks (a graph: FAKECUDA_GRAPH_NS) of device time to the device's queue;
+ * blocks (a graph: FAKECUDA_GRAPH_NS) of GPU time to the device's queue;
  * a launch that finds more than FAKECUDA_QUEUE_NS of the process's own work
  * queued blocks until it drains to that depth (the driver's push-back), so
  * processes that keep their queues full share the device evenly; synchronize
  * calls sleep until the process's last launch is done.  Without the variable
- * launches take no device time and synchronize returns at once.
+ * launches take no GPU time and synchronize returns at once.
  *
  * FAKECUDA_SIM_SHARE_EFF=P (percent) serves the first PS_DEVS devices by
  * processor sharing instead of one FIFO: every process with work pending is
@@ -161,7 +161,7 @@ static unsigned long long g_launches;
  * full speed, as a GPU time-slicing contexts does, losing the switches (two
  * matmul processes on the H200 complete ~90% of what one does alone). The
  * state is advanced lazily by whichever process calls in, under a spinlock
- * in the shared file; busy_ns then counts device time served.
+ * in the shared file; busy_ns then counts GPU time served.
  */
 #define PS_DEVS 8
 #define PS_SLOTS 32
@@ -176,7 +176,7 @@ struct ps_dev {
 };
 struct gpu_sim {
     unsigned long long busy_until[MAX_DEVICES]; /* the device's queue ends at (CLOCK_MONOTONIC ns) */
-    unsigned long long busy_ns[MAX_DEVICES];    /* device time ever queued */
+    unsigned long long busy_ns[MAX_DEVICES];    /* GPU time ever queued */
     struct ps_dev ps[PS_DEVS];                  /* FAKECUDA_SIM_SHARE_EFF only */
 };
 static struct gpu_sim *g_sim;
@@ -516,7 +516,7 @@ static void ps_sync(int dev)
     }
 }
 
-/* Queue `ns` of device time on `dev`. One FIFO timeline per device, shared by
+/* Queue `ns` of GPU time on `dev`. One FIFO timeline per device, shared by
  * all processes: work-conserving, and fair between processes that keep their
  * queues full, since each may hold at most FAKECUDA_QUEUE_NS of it. */
 static void sim_launch(int dev, unsigned long long ns)

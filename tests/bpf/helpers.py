@@ -40,7 +40,7 @@ GROUP_ENV = "HAMI_GROUP"
 # bcc compiling bpf_programs/hami.bpf.c takes ~5 s on an unloaded 2-core host
 # and minutes in an emulated (TCG) guest, and everything else slows alike.
 #
-#   * The first start in a pytest session may take FIRST_READY_TIMEOUT
+#   * The first start in a test run may take FIRST_READY_TIMEOUT
 #     (env HAMI_TEST_READY_TIMEOUT, default 900 s).
 #   * Later starts may take READY_FACTOR x the slowest start so far (at least
 #     READY_FLOOR_S).
@@ -80,7 +80,7 @@ class Deadlines:
         """(seconds a daemon start may take, where that bound comes from)."""
         if self.slowest_ready is None:
             return self.first_ready_timeout, \
-                "the first start in this session; HAMI_TEST_READY_TIMEOUT sets it"
+                "the first start in this test run; HAMI_TEST_READY_TIMEOUT sets it"
         t = max(self.ready_floor_s, self.ready_factor * self.slowest_ready)
         return t, f"scaled from the slowest start so far, {self.slowest_ready:.1f} s"
 

@@ -12,7 +12,7 @@ running the stand-in workload (``cudaprog``).  Two flavours:
   (another inode) -- like an image that ships CUDA forward-compatibility
   libraries.  The daemon is *not* told about that file.
 
-The daemon finds the own-driver file in ``/proc/PID/maps`` (issue 7),
+The daemon finds the own-driver file in ``/proc/PID/maps`` (the fallback scan),
 attaches to it through ``/proc/PID/root`` with a descriptor it holds, and
 detaches after its last user exits.
 """

@@ -1,6 +1,6 @@
 """SM caps against the stand-in libcuda's simulated GPU: shares and priority.
 
-The simulated GPU (FAKECUDA_GPU_SIM) gives launches device time on one
+The simulated GPU (FAKECUDA_GPU_SIM) gives launches GPU time on one
 timeline shared by every process, a launch queue that pushes back and
 synchronize calls that wait: the dynamics that defeated earlier controllers
 on the H200. Its full rate is known exactly (1 ms kernels: 1000 launches/s),

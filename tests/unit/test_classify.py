@@ -2,7 +2,7 @@
 comm): every value is parsed within bounds, and a process whose
 classification fails is still tracked, with its group's policy limits.
 
-Unit level: the pure parsers, and Daemon._register on a daemon that was never
+Unit level: the pure parsers, and the registry of a daemon that was never
 started (a stand-in for the BPF maps records what would be written)."""
 from __future__ import annotations
 
@@ -13,9 +13,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hami_bpf import abi, daemon as daemon_mod
+from fakes import FakeProbes
+from hami_bpf import abi, classify as classify_mod, grouplimits
 from hami_bpf.config import DaemonConfig
-from hami_bpf.daemon import Daemon, bounded_name, parse_environ
+from hami_bpf.classify import bounded_name, parse_environ
+from hami_bpf.daemon import Daemon
 from hami_bpf.devices import Devices
 from hami_bpf.limits import (MEM_ENV, SM_ENV, LimitError, effective_limits, load_policy,
                              parse_env_limits, parse_size, physical_to_visible,
@@ -25,58 +27,12 @@ GiB = 1 << 30
 HUGE = "9" * 5000          # past Python's 4300-digit int() limit
 
 
-class FakeProbes:
-    """The maps registration writes, recorded."""
-
-    def __init__(self):
-        self.proc_cfg: dict[int, tuple[int, int]] = {}
-        self.limits: dict[tuple[int, int], int | None] = {}
-        self.gate_wait: set[int] = set()     # pids the cuInit probe holds
-
-    def gate_waiting(self):
-        return sorted(self.gate_wait)
-
-    def claim_gate(self, pid):
-        if pid in self.gate_wait:
-            self.gate_wait.discard(pid)
-            return True
-        return False
-
-    def write_proc_cfg(self, pid, group_index, slot, phys, must_exist=False):
-        self.proc_cfg[pid] = (group_index, slot)
-        return True
-
-    def set_group_limit(self, group_index, device, limit, total):
-        self.limits[(group_index, device)] = limit
-
-    def ensure_proc(self, pid):
-        pass
-
-    def delete_proc_cfg(self, pid):
-        self.proc_cfg.pop(pid, None)
-
-    def delete_group(self, index):
-        pass
-
-    def launch_probes_attached(self):
-        return 0
-
-    def attach_launch(self, lib, syms):
-        return []
-
-    def detach_launch(self, lib):
-        pass
-
-    def delete_sm_grant(self, gi, dev):
-        pass
-
-
 def make_daemon(policy_text: str | None, group_by: str = "env:G", tmp=None) -> Daemon:
     d = Daemon(DaemonConfig(group_by=group_by, state_dir=str(tmp or "/nonexistent")))
     d.probes = FakeProbes()
     d.devices = Devices(2, True)
-    d.ctx_bytes = 0
-    d.policy = load_policy(policy_text, "policy.toml") if policy_text else None
+    d.limits.ctx_bytes = 0
+    d.policy.current = load_policy(policy_text, "policy.toml") if policy_text else None
     return d
 
 
@@ -140,7 +96,7 @@ def test_environ_parsing_drops_a_cut_last_item():
 
 def test_long_group_names_stay_distinct_and_bounded():
     a, b = "g" * 5000 + "a", "g" * 5000 + "b"
-    assert len(bounded_name(a)) <= daemon_mod.GROUP_NAME_MAX
+    assert len(bounded_name(a)) <= classify_mod.GROUP_NAME_MAX
     assert bounded_name(a) != bounded_name(b)
     assert bounded_name("short") == "short"
 
@@ -185,14 +141,14 @@ def test_environ_bytes_of_any_encoding_parse(raw, cut):
           max_examples=int(os.environ.get("HAMI_HYPOTHESIS_EXAMPLES", "100")) // 10 or 10)
 @given(environments)
 def test_any_environment_registers_within_the_policy(sleeper, monkeypatch, env):
-    monkeypatch.setattr(daemon_mod, "read_environ", lambda pid: (dict(env), False))
+    monkeypatch.setattr(classify_mod, "read_environ", lambda pid: (dict(env), False))
     d = make_daemon(POLICY)
-    d._register(sleeper, 0, comm="w")
-    view = d.table.process(sleeper)
+    d.registry.register(sleeper, 0, comm="w")
+    view = d.registry.table.process(sleeper)
     assert view is not None, "a process must be tracked whatever its environment"
     assert sleeper in d.probes.proc_cfg
     for dev in range(2):
-        lim = d.table.limits(view.group).get(dev)
+        lim = d.registry.table.limits(view.group).get(dev)
         assert lim is not None and lim <= GiB
     assert all(cap <= 50 for cap in d.sm.caps(view.group).values())
 
@@ -203,32 +159,32 @@ def test_a_failing_classification_step_keeps_the_process_tracked_with_policy_lim
     def boom(*_a, **_k):
         raise RuntimeError("injected")
     env = {"G": "grp", MEM_ENV: "4Gi", "CUDA_VISIBLE_DEVICES": "1"}
-    monkeypatch.setattr(daemon_mod, "read_environ",
+    monkeypatch.setattr(classify_mod, "read_environ",
                         boom if stage == "environment" else (lambda pid: (dict(env), False)))
     if stage == "limits":
-        monkeypatch.setattr(daemon_mod, "parse_env_limits", boom)
+        monkeypatch.setattr(classify_mod, "parse_env_limits", boom)
     if stage == "group":
-        monkeypatch.setattr(daemon_mod, "group_of", boom)
+        monkeypatch.setattr(classify_mod, "group_of", boom)
     if stage == "pod":
-        monkeypatch.setattr(daemon_mod.containers, "describe", boom)
+        monkeypatch.setattr(classify_mod.containers, "describe", boom)
     d = make_daemon(POLICY)
-    d._register(sleeper, 0, comm="w")
-    view = d.table.process(sleeper)
+    d.registry.register(sleeper, 0, comm="w")
+    view = d.registry.table.process(sleeper)
     assert view is not None and sleeper in d.probes.proc_cfg
     # Both devices limited (a failed step's input, CUDA_VISIBLE_DEVICES
     # included, is not used, so every device counts as visible).
     if stage in ("environment", "limits"):
-        assert d.table.limits(view.group) == {0: GiB, 1: GiB}
-    failed = [e for e in d.events_log if e.kind == "error" and "classify_failed" in e.data]
+        assert d.registry.table.limits(view.group) == {0: GiB, 1: GiB}
+    failed = [e for e in d.log if e.kind == "error" and "classify_failed" in e.data]
     assert [list(e.data["classify_failed"]) for e in failed] == [[stage]]
     assert failed[0].data["pid"] == sleeper
 
 
 def test_failing_limits_fall_back_to_the_policy(sleeper, monkeypatch):
-    monkeypatch.setattr(daemon_mod, "read_environ",
+    monkeypatch.setattr(classify_mod, "read_environ",
                         lambda pid: ({"G": "grp", MEM_ENV: "2Gi"}, False))
     d = make_daemon(POLICY)
-    real = daemon_mod.effective_limits
+    real = grouplimits.effective_limits
     calls = []
 
     def flaky(policy, group, env, dev, **kw):
@@ -236,29 +192,29 @@ def test_failing_limits_fall_back_to_the_policy(sleeper, monkeypatch):
         if env is not None:
             raise RuntimeError("injected")
         return real(policy, group, env, dev, **kw)
-    monkeypatch.setattr(daemon_mod, "effective_limits", flaky)
-    d._register(sleeper, 0, comm="w")
-    view = d.table.process(sleeper)
-    assert d.table.limits(view.group) == {0: GiB, 1: GiB}
-    assert [list(e.data["classify_failed"]) for e in d.events_log
+    monkeypatch.setattr(grouplimits, "effective_limits", flaky)
+    d.registry.register(sleeper, 0, comm="w")
+    view = d.registry.table.process(sleeper)
+    assert d.registry.table.limits(view.group) == {0: GiB, 1: GiB}
+    assert [list(e.data["classify_failed"]) for e in d.log
             if "classify_failed" in e.data] == [["limits"]]
 
 
 def test_a_cut_environment_is_reported(sleeper, monkeypatch):
-    monkeypatch.setattr(daemon_mod, "read_environ", lambda pid: ({"G": "g"}, True))
+    monkeypatch.setattr(classify_mod, "read_environ", lambda pid: ({"G": "g"}, True))
     d = make_daemon(POLICY)
-    d._register(sleeper, 0)
-    assert any(e.kind == "config" and e.data.get("pid") == sleeper for e in d.events_log)
+    d.registry.register(sleeper, 0)
+    assert any(e.kind == "config" and e.data.get("pid") == sleeper for e in d.log)
 
 
 def test_many_malformed_variables_are_recorded_a_bounded_number_of_times(sleeper, monkeypatch):
     env = {f"{MEM_ENV}_x{i}": "1" for i in range(1000)}
-    monkeypatch.setattr(daemon_mod, "read_environ", lambda pid: (env, False))
+    monkeypatch.setattr(classify_mod, "read_environ", lambda pid: (env, False))
     d = make_daemon(None)
-    d._register(sleeper, 0)
-    configs = [e for e in d.events_log if e.kind == "config"]
-    assert len(configs) == daemon_mod.PROBLEMS_SHOWN + 1
-    assert abi.MAX_DEVS == len(d.info[sleeper].phys)
+    d.registry.register(sleeper, 0)
+    configs = [e for e in d.log if e.kind == "config"]
+    assert len(configs) == classify_mod.PROBLEMS_SHOWN + 1
+    assert abi.MAX_DEVS == len(d.registry.info[sleeper].phys)
 
 
 # ------------------------------------------------------------------- exec
@@ -271,30 +227,30 @@ def _event(kind, pid, flags=0):
 
 def test_an_exec_event_releases_the_process(sleeper, monkeypatch, tmp_path):
     from hami_bpf import enforce
-    monkeypatch.setattr(daemon_mod, "read_environ", lambda pid: ({"G": "g"}, False))
+    monkeypatch.setattr(classify_mod, "read_environ", lambda pid: ({"G": "g"}, False))
     d = make_daemon(POLICY)
     d.stopped = enforce.StoppedSet(str(tmp_path))
-    d._register(sleeper, 0)
-    assert d.table.process(sleeper) is not None
-    d._handle(_event(abi.EV_EXEC, sleeper))
-    assert d.table.process(sleeper) is None
-    assert [e.data["pid"] for e in d.events_log if e.kind == "exec"] == [sleeper]
+    d.registry.register(sleeper, 0)
+    assert d.registry.table.process(sleeper) is not None
+    d._route(_event(abi.EV_EXEC, sleeper))
+    assert d.registry.table.process(sleeper) is None
+    assert [e.data["pid"] for e in d.log if e.kind == "exec"] == [sleeper]
 
 
 def test_a_registered_process_held_at_cuinit_is_a_new_image(sleeper, monkeypatch, tmp_path):
     # Its exec event was lost: BPF held it at cuInit because it has no
     # proc_cfg. It is registered again (its proc_cfg written) and resumed.
     from hami_bpf import enforce
-    monkeypatch.setattr(daemon_mod, "read_environ", lambda pid: ({"G": "g"}, False))
+    monkeypatch.setattr(classify_mod, "read_environ", lambda pid: ({"G": "g"}, False))
     d = make_daemon(POLICY)
     d.stopped = enforce.StoppedSet(str(tmp_path))
-    d._register(sleeper, 0)
+    d.registry.register(sleeper, 0)
     d.probes.proc_cfg.clear()            # what the exec program did
     d.probes.gate_wait.add(sleeper)      # what the cuInit probe did
-    d._handle(_event(abi.EV_INIT, sleeper, abi.F_STOPPED))
-    assert d.table.process(sleeper) is not None
+    d._route(_event(abi.EV_INIT, sleeper, abi.F_STOPPED))
+    assert d.registry.table.process(sleeper) is not None
     assert sleeper in d.probes.proc_cfg
-    assert [e.data["pid"] for e in d.events_log if e.kind == "exec"] == [sleeper]
+    assert [e.data["pid"] for e in d.log if e.kind == "exec"] == [sleeper]
     assert sleeper not in d.stopped
 
 
@@ -306,14 +262,14 @@ def test_a_hold_at_cuinit_whose_event_was_lost_is_released_by_the_scan(sleeper, 
     from hami_bpf import enforce
     resumed = []
     monkeypatch.setattr(enforce, "resume", resumed.append)
-    monkeypatch.setattr(daemon_mod, "read_environ", lambda pid: ({"G": "g"}, False))
+    monkeypatch.setattr(classify_mod, "read_environ", lambda pid: ({"G": "g"}, False))
     d = make_daemon(POLICY)
     d.stopped = enforce.StoppedSet(str(tmp_path))
     d.probes.gate_wait.add(sleeper)
-    d._release_gated()
-    assert d.table.process(sleeper) is not None and sleeper in d.probes.proc_cfg
+    d.registry.release_gated()
+    assert d.registry.table.process(sleeper) is not None and sleeper in d.probes.proc_cfg
     assert resumed == [sleeper] and sleeper not in d.stopped
     assert d.counters["gate_scan_claims"] == 1
-    d._handle(_event(abi.EV_INIT, sleeper, abi.F_STOPPED))
-    d._release_gated()
+    d._route(_event(abi.EV_INIT, sleeper, abi.F_STOPPED))
+    d.registry.release_gated()
     assert resumed == [sleeper]

@@ -1,12 +1,12 @@
-"""The /proc helpers of hami_bpf/daemon.py, and a Daemon that was never
-started (no bcc needed: daemon.py imports bcc only inside Daemon.start)."""
+"""The /proc helpers of hami_bpf/classify.py, and a Daemon that was never
+started (no bcc needed: bcc is imported only inside Daemon.start)."""
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
 
-from hami_bpf.daemon import group_of, ns_pid, proc_cgroup, proc_comm, proc_environ
+from hami_bpf.classify import group_of, ns_pid, proc_cgroup, proc_comm, proc_environ
 
 
 def test_proc_cgroup_of_self_is_a_path():
@@ -77,7 +77,7 @@ def test_a_controller_killed_while_holding_a_group_leaves_a_record_of_each_stop(
         d = Daemon(DaemonConfig(state_dir=str(tmp_path)))
         d.stopped = enforce.StoppedSet(str(tmp_path))
         for p in peers:
-            d.table.apply(ProcessRegistered(ProcKey(p.pid, enforce.proc_start_time(p.pid)), "g"))
+            d.registry.table.apply(ProcessRegistered(ProcKey(p.pid, enforce.proc_start_time(p.pid)), "g"))
         d.sm.sm_caps["g"] = {0: 30}
         signals = []
 
@@ -116,7 +116,7 @@ def test_a_failing_sm_tick_releases_every_hold_and_the_loop_goes_on(tmp_path):
     try:
         d = Daemon(DaemonConfig(state_dir=str(tmp_path)))
         d.stopped = enforce.StoppedSet(str(tmp_path))
-        d.table.apply(ProcessRegistered(ProcKey(p.pid, enforce.proc_start_time(p.pid)), "g"))
+        d.registry.table.apply(ProcessRegistered(ProcKey(p.pid, enforce.proc_start_time(p.pid)), "g"))
         d.sm.sm_caps["g"] = {0: 30}
         os.kill(p.pid, 19)
         d.stopped.add_many([(p.pid, enforce.proc_start_time(p.pid))], "SM cap of group g")
@@ -126,7 +126,7 @@ def test_a_failing_sm_tick_releases_every_hold_and_the_loop_goes_on(tmp_path):
         assert "g" not in d.sm.throttled
         assert enforce.proc_state(p.pid) not in ("T", "t")
         assert d.counters["sm_errors"] == 1
-        ev = [e for e in d.events_log if e.kind == "error"]
+        ev = [e for e in d.log if e.kind == "error"]
         assert ev and ev[-1].data["error"] == "KeyError"
     finally:
         p.kill()

@@ -1,5 +1,5 @@
 """A policy file is accepted only where root alone can replace it: the file
-and every directory above it (config.unsafe_chain, Daemon._load_policy)."""
+and every directory above it (config.unsafe_chain, policyfile.read_policy)."""
 from __future__ import annotations
 
 import os
@@ -30,8 +30,8 @@ def write(path, text=POLICY, mode=0o600):
 
 def load(path):
     d = Daemon(DaemonConfig(policy=str(path)))
-    d._load_policy()
-    return d.policy
+    d.policy.load()
+    return d.policy.current
 
 
 def refused(path) -> str:

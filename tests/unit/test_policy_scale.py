@@ -50,11 +50,11 @@ def test_lookup_is_the_first_match_in_file_order(pats, groups):
 def test_a_reload_reads_the_file_off_the_loops_thread(monkeypatch, tmp_path):
     from hami_bpf.config import DaemonConfig
     from hami_bpf.daemon import Daemon
-    from test_classify import FakeProbes
+    from fakes import FakeProbes
 
     d = Daemon(DaemonConfig(policy=str(tmp_path / "p.toml"), state_dir=str(tmp_path)))
     d.probes = FakeProbes()
-    old = d.policy = load_policy(many_rules(1), "old")
+    old = d.policy.current = load_policy(many_rules(1), "old")
     release = threading.Event()
     seen = {}
 
@@ -62,34 +62,34 @@ def test_a_reload_reads_the_file_off_the_loops_thread(monkeypatch, tmp_path):
         seen["thread"] = threading.current_thread()
         seen["waited"] = release.wait(10)
         return load_policy(many_rules(2), "new")
-    monkeypatch.setattr(Daemon, "_read_policy", staticmethod(slow_read))
-    d.reload_policy()
+    monkeypatch.setattr(d.policy, "read", slow_read)
+    d.policy.reload()
     # Returned while the file is still being read; nothing changed yet.
-    assert d.policy is old and not d._reload_asked
+    assert d.policy.current is old and not d.policy.asked
     release.set()
-    d._reload_job.join(10)
+    d.policy.wait(10)
     assert seen["thread"] is not threading.current_thread() and seen["waited"]
-    assert d._reload_asked        # the loop is asked to apply it
-    d._reload_asked = False
-    d.reload_policy()
-    assert d.policy is not old and d.policy.source == "new"
+    assert d.policy.asked        # the loop is asked to apply it
+    d.policy.asked = False
+    d.policy.reload()
+    assert d.policy.current is not old and d.policy.current.source == "new"
     assert d.counters["policy_reloads"] == 1
 
 
 def test_a_refused_reload_keeps_the_policy(monkeypatch, tmp_path):
     from hami_bpf.config import DaemonConfig
     from hami_bpf.daemon import Daemon, DaemonError
-    from test_classify import FakeProbes
+    from fakes import FakeProbes
 
     d = Daemon(DaemonConfig(policy=str(tmp_path / "p.toml"), state_dir=str(tmp_path)))
     d.probes = FakeProbes()
-    old = d.policy = load_policy(many_rules(1), "old")
+    old = d.policy.current = load_policy(many_rules(1), "old")
 
     def bad(path):
         raise DaemonError("--policy p: refused")
-    monkeypatch.setattr(Daemon, "_read_policy", staticmethod(bad))
-    d.reload_policy()
-    d._reload_job.join(10)
-    d.reload_policy()
-    assert d.policy is old
-    assert any(e.kind == "error" and "refused" in e.message for e in d.events_log)
+    monkeypatch.setattr(d.policy, "read", bad)
+    d.policy.reload()
+    d.policy.wait(10)
+    d.policy.reload()
+    assert d.policy.current is old
+    assert any(e.kind == "error" and "refused" in e.message for e in d.log)

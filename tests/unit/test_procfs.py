@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hami_bpf import containers, procfs
-from hami_bpf.daemon import group_of
+from hami_bpf.classify import group_of
 
 UID = "1f2e3d4c-5b6a-4978-8a9b-0c1d2e3f4a5b"
 CID = "a" * 64

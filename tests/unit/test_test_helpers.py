@@ -141,8 +141,8 @@ def test_first_start_never_ready_says_which_bound(stub, monkeypatch):
         with pytest.raises(DaemonError) as ei:
             d.start()
         msg = str(ei.value)
-        assert msg.startswith("daemon start: no 'ready' within 0.5 s (the first start in this "
-                              "session; HAMI_TEST_READY_TIMEOUT sets it); gave up after "), msg
+        assert msg.startswith("daemon start: no 'ready' within 0.5 s (the first start in this test "
+                              "run; HAMI_TEST_READY_TIMEOUT sets it); gave up after "), msg
         assert dl.slowest_ready is None
     finally:
         d.stop()
