@@ -4,6 +4,7 @@
 #
 # install       what `hami-bpf run` needs, nothing more
 # install-test  that plus the test extras (pytest, hypothesis, ...) and tmux
+# install-containers  that plus podman and mmdebstrap (test-containers)
 # test          the whole suite = test-unit + test-bpf, in one pytest run
 # test-unit     everything but tests/bpf and tests/kernels (no root needed)
 # test-bpf      tests/bpf and tests/kernels: real uprobes on this host
@@ -17,7 +18,7 @@ PYTHON := $(VENV)/bin/python
 HAMI_HYPOTHESIS_EXAMPLES ?= 3000
 export HAMI_HYPOTHESIS_EXAMPLES
 
-.PHONY: install install-test test test-unit test-bpf test-kernels test-containers demo clean
+.PHONY: install install-test install-containers test test-unit test-bpf test-kernels test-containers demo clean
 
 install:
 	HAMI_BPF_VENV=$(VENV) bash scripts/setup-host.sh
@@ -49,7 +50,10 @@ test-kernels: install-test
 
 # The agent's image and the DaemonSet under podman (docs/kubernetes.md). Uses
 # the host's BPF and bpffs: not at the same time as test-bpf.
-test-containers: install-test
+install-containers:
+	HAMI_BPF_VENV=$(VENV) bash scripts/setup-host.sh --containers
+
+test-containers: install-containers
 	$(call pytest,tests/containers -x)
 
 demo: install
