@@ -23,7 +23,7 @@ MANIFESTS = ("daemonset.yaml", "policy-configmap.yaml")
 # in securityContext is 1.30+) and the newest the validator knows.
 K8S_VERSIONS = ("1.30.0", None)
 
-ALLOWED_CAPS = {"BPF", "PERFMON", "SYS_PTRACE", "KILL", "SYS_RESOURCE", "SYS_ADMIN", "SYS_NICE"}
+ALLOWED_CAPS = {"SYS_PTRACE", "KILL", "SYS_RESOURCE", "SYS_ADMIN", "SYS_NICE"}
 
 
 def docs(name: str) -> list[dict]:
