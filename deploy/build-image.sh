@@ -98,11 +98,16 @@ cp "$CACHE/wheels/$dkey"/*.whl "$WHEELS/"
 
 # -- 3. image ------------------------------------------------------------------
 log "podman build $IMAGE:$TAG (offline)"
+old_id="$(podman image inspect --format '{{.Id}}' "$IMAGE:$TAG" 2>/dev/null || true)"
 T1=$(date +%s)
 # shellcheck disable=SC2046
 podman build --network none --pull=never --build-arg "BASE_IMAGE=$BASE" \
   $(bash "$REPO/deploy/podman-ulimits.sh") \
   -f "$REPO/deploy/Containerfile" -t "$IMAGE:$TAG" "$REPO"
 T2=$(date +%s)
+# the image this tag named before, if nothing else names it now
+if [ -n "$old_id" ] && [ "$old_id" != "$(podman image inspect --format '{{.Id}}' "$IMAGE:$TAG")" ]; then
+  podman rmi "$old_id" >/dev/null 2>&1 || true
+fi
 size="$(podman image inspect --format '{{.Size}}' "$IMAGE:$TAG")"
 log "built $IMAGE:$TAG: $((size / 1000000)) MB, in $((T2 - T0)) s (podman build $((T2 - T1)) s)"

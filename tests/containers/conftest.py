@@ -71,12 +71,15 @@ def images() -> dict[str, str]:
                              f"{r.stdout[-3000:]}\n{r.stderr[-5000:]}")
     first = f"{IMAGE}:{TAG}"
     nxt = f"{IMAGE}:{NEXT_TAG}"
+    old = podman("image", "inspect", "--format", "{{.Id}}", nxt, check=False).stdout.strip()
     proc = subprocess.run(
         ["podman", "build", "--network", "none", "--pull=never", *podkit.ulimit_args(),
          "-t", nxt, "-f", "-", str(REPO / "tests" / "containers")],
         input=f"FROM {first}\nLABEL io.hami-bpf.rollout=\"{TAG} -> {NEXT_TAG}\"\n",
         capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    if old:   # the previous run's, unless something else still names it
+        podman("rmi", old, check=False)
     print(f"images built in {time.monotonic() - t0:.1f} s", file=sys.stderr)
     return {"first": first, "next": nxt, "base": BASE_IMAGE}
 
