@@ -78,7 +78,8 @@ def images() -> dict[str, str]:
         input=f"FROM {first}\nLABEL io.hami-bpf.rollout=\"{TAG} -> {NEXT_TAG}\"\n",
         capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    if old:   # the previous run's, unless something else still names it
+    new = podman("image", "inspect", "--format", "{{.Id}}", nxt).stdout.strip()
+    if old and old != new:   # the previous run's, unless something else still names it
         podman("rmi", old, check=False)
     print(f"images built in {time.monotonic() - t0:.1f} s", file=sys.stderr)
     return {"first": first, "next": nxt, "base": BASE_IMAGE}
