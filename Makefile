@@ -4,17 +4,21 @@
 #
 # install       what `hami-bpf run` needs, nothing more
 # install-test  that plus the test extras (pytest, hypothesis, ...) and tmux
+# install-containers  that plus podman and mmdebstrap (test-containers)
 # test          the whole suite = test-unit + test-bpf, in one pytest run
 # test-unit     everything but tests/bpf and tests/kernels (no root needed)
 # test-bpf      tests/bpf and tests/kernels: real uprobes on this host
 # test-kernels  the BPF tests on other kernels booted in qemu (docs/kernels.md)
+# test-containers  the image built (deploy/build-image.sh) and run under podman
+#               with the DaemonSet's privileges, workloads in containers
+#               (tests/containers; not part of `make test`)
 SHELL := /bin/bash
 VENV ?= /opt/hami-bpf/venv
 PYTHON := $(VENV)/bin/python
 HAMI_HYPOTHESIS_EXAMPLES ?= 3000
 export HAMI_HYPOTHESIS_EXAMPLES
 
-.PHONY: install install-test test test-unit test-bpf test-kernels demo clean
+.PHONY: install install-test install-containers test test-unit test-bpf test-kernels test-containers demo clean
 
 install:
 	HAMI_BPF_VENV=$(VENV) bash scripts/setup-host.sh
@@ -30,10 +34,10 @@ define pytest
 endef
 
 test: install-test
-	$(call pytest,tests)
+	$(call pytest,tests --ignore=tests/containers)
 
 test-unit: install-test
-	$(call pytest,tests --ignore=tests/bpf --ignore=tests/kernels)
+	$(call pytest,tests --ignore=tests/bpf --ignore=tests/kernels --ignore=tests/containers)
 
 test-bpf: install-test
 	$(call pytest,tests/bpf tests/kernels)
@@ -43,6 +47,14 @@ test-bpf: install-test
 test-kernels: install-test
 	bash tests/kernels/setup.sh
 	VENV=$(VENV) $(PYTHON) tests/kernels/run_matrix.py
+
+# The agent's image and the DaemonSet under podman (docs/kubernetes.md). Uses
+# the host's BPF and bpffs: not at the same time as test-bpf.
+install-containers:
+	HAMI_BPF_VENV=$(VENV) bash scripts/setup-host.sh --containers
+
+test-containers: install-containers
+	$(call pytest,tests/containers -x)
 
 demo: install
 	$(VENV)/bin/hami-bpf run

@@ -142,6 +142,7 @@ class LibraryWatcher:
         # (pid, library) the open gate saw opened -> when to check it is mapped
         self._verify: dict[tuple[int, tuple[int, int]], float] = {}
         self.next_scan = 0.0
+        self._scanned = False          # the first scan (at start) reads every process
 
     def pin_configured(self) -> None:
         """The configured libraries, probed for the daemon's whole life."""
@@ -185,9 +186,14 @@ class LibraryWatcher:
         pushes the next one out so that discovery uses at most LIB_SCAN_DUTY
         of one core. A process that maps a library it was not mapping when
         last read is found at the next pass (~1 s): its calls before that
-        are not seen."""
+        are not seen.
+
+        The first scan reads registered processes too: at a start they are
+        the ones adopted from a previous daemon's kept maps (a restart or a
+        rollout), whose own driver library nobody probes yet."""
         t0 = time.monotonic()
-        skip = set(self._users) | set(self._registered())
+        skip = set(self._users) | (set(self._registered()) if self._scanned else set())
+        self._scanned = True
         skip.add(os.getpid())
         found = []
         scanned = containers.scan_libcuda(skip=skip)

@@ -21,13 +21,21 @@
 #     --system-site-packages (so the distribution's bcc imports), this checkout
 #     installed editable (with --test: with its [test] extras), and
 #     /usr/local/bin/hami-bpf.
+#  5. With --containers (implies --test; `make test-containers`): podman and
+#     mmdebstrap (the agent's image, deploy/build-image.sh) and, on a hybrid
+#     cgroup host whose cgroup v2 hierarchy still holds controllers, those
+#     controllers mounted as v1 hierarchies (podman's runtime, crun, refuses
+#     to create containers otherwise: "cgroups in hybrid mode not supported,
+#     drop all controllers from cgroupv2").
 set -euo pipefail
 
 TEST=0
+CONTAINERS=0
 case "${1:-}" in
   --test) TEST=1 ;;
+  --containers) TEST=1; CONTAINERS=1 ;;
   "") ;;
-  *) echo "usage: setup-host.sh [--test]" >&2; exit 2 ;;
+  *) echo "usage: setup-host.sh [--test | --containers]" >&2; exit 2 ;;
 esac
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -70,6 +78,7 @@ apt_install() {
 # -- 1. packages -----------------------------------------------------------
 apt_install python3-bpfcc python3-venv gcc make binutils libc6-dev
 [ "$TEST" -eq 0 ] || apt_install tmux
+[ "$CONTAINERS" -eq 0 ] || apt_install podman mmdebstrap
 
 # -- 2. kernel headers -----------------------------------------------------
 MODDIR="/lib/modules/${KREL}"
@@ -114,6 +123,17 @@ fi
 if [ -d /sys/kernel/security ] && ! grep -qs " /sys/kernel/security securityfs " /proc/self/mounts; then
   mount -t securityfs securityfs /sys/kernel/security 2>/dev/null \
     && log "mounted securityfs at /sys/kernel/security" || true
+fi
+
+# -- 3b. cgroups for podman on hybrid hosts (--containers) -------------------
+if [ "$CONTAINERS" -eq 1 ] && grep -qs " /sys/fs/cgroup/unified cgroup2 " /proc/self/mounts; then
+  for c in $(cat /sys/fs/cgroup/unified/cgroup.controllers 2>/dev/null); do
+    [ -s /sys/fs/cgroup/unified/cgroup.subtree_control ] \
+      && die "cgroup v2 hierarchy uses controller $c: cannot move it to v1 for podman"
+    mkdir -p "/sys/fs/cgroup/$c"
+    mount -t cgroup -o "$c" cgroup "/sys/fs/cgroup/$c" \
+      && log "mounted the $c controller as a cgroup v1 hierarchy (podman on a hybrid host)"
+  done
 fi
 
 # -- 4. virtual environment -----------------------------------------------

@@ -450,6 +450,27 @@ def patching_oops(console: str) -> str:
     return f"guest kernel Oops (int3) in its own text patching at {m.group(1)}"
 
 
+class _host_lock:
+    """Holds the file named by HAMI_CI_HOST_LOCK (flock) while the host row
+    runs: .ci/run's container stage, beside the matrix, uses the host's BPF
+    too and holds the same lock. No variable, no lock."""
+
+    def __enter__(self):
+        self.fd = None
+        path = os.environ.get("HAMI_CI_HOST_LOCK")
+        if path:
+            import fcntl
+            self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            log(f"host: waiting for {path}")
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        if self.fd is not None:
+            os.close(self.fd)   # releases the lock
+        return False
+
+
 def run_host(outdir: Path, timeout: float) -> dict:
     shutil.rmtree(outdir, ignore_errors=True)
     outdir.mkdir(parents=True)
@@ -460,7 +481,7 @@ def run_host(outdir: Path, timeout: float) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "CI"}
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     log(f"host: pytest {' '.join(PYTEST_ARGS)}")
-    with open(outdir / "pytest.log", "w") as f:
+    with open(outdir / "pytest.log", "w") as f, _host_lock():
         p = subprocess.run([str(VENV / "bin/python"), "-m", "pytest", "-p", "no:cacheprovider",
                             "-o", "junit_family=legacy",
                             f"--junitxml={outdir / 'junit.xml'}", *PYTEST_ARGS],
