@@ -11,7 +11,6 @@ and ``HAMI_GROUP``, so ``--group-by env:HAMI_GROUP`` separates them).
 """
 from __future__ import annotations
 
-import os
 import random
 import signal
 import subprocess
