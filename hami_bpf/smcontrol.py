@@ -2,8 +2,8 @@
 
 It keeps, per group and device, the caps, the launch budgets
 (hami_bpf.throttle), the duty pacer (hami_bpf.sm.duty) and the guard
-(hami_bpf.sm.guard), the turns groups take on a device, who learns alone, and
-the holds: which processes of which group it stopped, since when. The daemon
+(hami_bpf.sm.guard), the turns groups take on a device (hami_bpf.sm.turntable),
+who learns alone, and the holds: which processes of which group it stopped, since when. The daemon
 wires it to the probes, the slot table, the devices and the stopped set, and
 calls it: `apply_cap` when a member's limits are read, `tick` on its loop,
 `on_hold` when BPF stopped a process at a launch or synchronize, `release`
@@ -24,9 +24,10 @@ from typing import Callable
 from . import abi, enforce
 from .limits import HAMI_DEFAULT_PRIORITY
 from .sm import duty, guard
-from .throttle import (BUSY_S, LEARN_ALONE_S, TURN_CALIBRATE_S, UNLIMITED, Budget,
-                       Completions, Turn, completion_rate, correct_rate, gpu_bound, held_to_cap, learn_alone,
-                       neighbours, next_edge, scale_rate, tick as budget_tick, turn_gains, turns)
+from .sm.turntable import TurnTable
+from .throttle import (BUSY_S, LEARN_ALONE_S, UNLIMITED, Budget, Completions, completion_rate,
+                       correct_rate, held_to_cap, learn_alone, neighbours, next_edge,
+                       tick as budget_tick)
 
 log = logging.getLogger("hami_bpf")
 
@@ -37,10 +38,6 @@ DUTY_TICK_S = 0.01         # duty pacing asks for holds this promptly
 RESUME_MARGIN_S = 0.02
 THROTTLED_SHOWN_S = 1.0   # a group held back within this long shows as throttled
 
-# Turns that keep their device under this share of what they should fill,
-# with no rate to raise, end there for TURNS_OFF_S (fail open).
-TURNS_IDLE_SHARE = 0.5
-TURNS_OFF_S = 30.0
 
 
 class SmControl:
@@ -63,13 +60,8 @@ class SmControl:
         self._first_busy: dict[tuple[int, int], float] = {}  # ... -> when its launches were first seen
         self._budget_logged: dict[tuple[int, int], float] = {}
         self.lending: set[tuple[int, int]] = set()           # (group index, device) above its cap now
-        # Slots of the groups taking turns on a device (throttle.turns), by
-        # (group index, device); counted from the daemon's start.
-        self.turns: dict[tuple[int, int], Turn] = {}
-        self._turn_epoch = time.monotonic()
-        self._turns_read: float | None = None   # when turn_gains() last read the devices
-        self._turns_util: dict[int, float | None] = {}  # ... and what it read
-        self._turns_off: dict[int, float] = {}  # device -> no turns there until (monotonic)
+        # The turns GPU-bound groups take on a device (sm.turntable).
+        self.turntable = TurnTable(cfg.sm_turn_ms / 1000, record, counters)
         # Per device, the group learning there alone and the capped groups it
         # holds meanwhile (throttle.learn_alone): (learner key, held keys).
         self.alone: dict[int, tuple[tuple[int, int] | None, frozenset]] = {}
@@ -89,6 +81,11 @@ class SmControl:
                                     max_hold_s=max(duty.MAX_HOLD_S, 2 * cfg.sm_hold_ms / 1000))
         self.guard = guard.Guard()        # the launch budget checked against the GPU
         self._duty_next: float | None = None
+
+    @property
+    def turns(self) -> dict:
+        """(group index, device) -> its slot, for the groups taking turns."""
+        return self.turntable.slots
 
     # The daemon's parts, read when used (some are made or replaced after this).
     @property
@@ -143,9 +140,6 @@ class SmControl:
         return (prio, upol) if old is not None or prio != HAMI_DEFAULT_PRIORITY or \
             upol != "default" else None
 
-    def apply_cap(self, group: str, dev: int, sm: int | None) -> None:
-        self._apply_sm_cap(group, dev, sm)
-
     def clear_group_caps(self, group: str) -> dict[int, int]:
         """Before a group's limits are read again (policy reload): its caps and
         schedule go; returns the caps it had."""
@@ -198,7 +192,7 @@ class SmControl:
             for key in [k for k in per_key if k[0] == index]:
                 del per_key[key]
         if self.sm_caps.pop(name, None):
-            self._sync_launch_probes()
+            self.sync_launch_probes()
 
     def wait_s(self, now: float) -> float | None:
         """How soon the loop should tick again (None: no cap, no hurry)."""
@@ -224,12 +218,6 @@ class SmControl:
                     sm_lending=tuple(sorted(d for gi, d in self.lending if gi == index)),
                     sm_turns=tuple(sorted(d for gi, d in self.turns if gi == index)))
 
-    def group_share(self, index: int) -> float | None:
-        return self._group_share(index)
-
-    def sync_launch_probes(self) -> None:
-        self._sync_launch_probes()
-
     def fail_open(self, e: Exception) -> None:
         """SM pacing failed this tick: fail open. Every group it holds runs
         again; memory limits are untouched (they live in BPF)."""
@@ -243,7 +231,7 @@ class SmControl:
         """(priority, utilization policy) of a group; HAMi's defaults if unset."""
         return self.sched.get(group, (HAMI_DEFAULT_PRIORITY, "default"))
 
-    def _apply_sm_cap(self, group: str, dev: int, sm: int | None) -> None:
+    def apply_cap(self, group: str, dev: int, sm: int | None) -> None:
         """Like memory: a member can lower its group's SM cap, never raise it."""
         if sm is None or sm <= 0 or sm >= 100:
             return
@@ -260,9 +248,9 @@ class SmControl:
         caps[dev] = sm
         self.record("limit", f"group {group!r} device {dev}: SM cap {sm}%", group=group,
                     device=dev, sm=sm)
-        self._sync_launch_probes()
+        self.sync_launch_probes()
 
-    def _sync_launch_probes(self) -> None:
+    def sync_launch_probes(self) -> None:
         """Launch probes cost ~1 us per launch: attached only while a group has an
         SM cap (or --count-launches asks), detached when the last one goes."""
         want = bool(self.cfg.count_launches or self.sm_caps)
@@ -326,7 +314,7 @@ class SmControl:
                 share.update(neighbours(util.get(dev), r, known, now, done_rates,
                                         frozenset(k for k in unpaced if k[1] == dev)))
         if self.cfg.sm_turns:
-            self._take_turns(use, now)
+            self.turntable.plan(use, now, self.budgets, self.lending, self._group_names)
         paced = self._duty_step(now, use)
         util_now: dict[int, float | None] | None = None
         for group, caps in list(self.sm_caps.items()):
@@ -418,7 +406,7 @@ class SmControl:
             if group in self.throttled:
                 self.last_throttled[group] = now
         if self.turns and not learning and self.devices.has_utilization:
-            self._calibrate_turns(now)
+            self.turntable.calibrate(now, self.budgets, self.devices.utilization, self._group_names)
 
     def _guard(self, key: tuple[int, int], group: str, b: Budget, now: float,
                util: float | None, held: bool) -> None:
@@ -470,7 +458,7 @@ class SmControl:
             self.counters[f"sm_mode_{mode.value}"] += 1
             if mode is duty.Mode.DUTY:
                 self._forget_budget(key)
-                self.turns.pop(key, None)
+                self.turntable.slots.pop(key, None)
             self.record("throttle", f"group {name!r} device {key[1]}: paced by "
                         + ("time, held at its synchronizes" if mode is duty.Mode.DUTY
                            else "its launch budget (it synchronizes rarely)"),
@@ -587,90 +575,6 @@ class SmControl:
         self.budgets[key] = Budget(cap=b.cap, probe_s=self.probe_cost_s, fresh_since=now,
                                    alone_since=since)
 
-    def _calibrate_turns(self, now: float) -> None:
-        """Raise the rates of groups taking turns where the GPU idles in them
-        (throttle.turn_gains): every TURN_CALIBRATE_S, from the utilization
-        since the last reading; the first reading only starts the count."""
-        if self._turns_read is not None and now - self._turns_read < TURN_CALIBRATE_S:
-            return
-        util = self.devices.utilization()
-        first, self._turns_read = self._turns_read is None, now
-        for dev in sorted({d for _g, d in self.turns}):
-            keys = [k for k in self.turns if k[1] == dev and k in self.budgets]
-            budgets = [self.budgets[k] for k in keys]
-            # The mean of two readings since the last change: NVML's swing
-            # by 5-8 points between windows in one steady state. Not one
-            # taken while slots came up short (turns settling in, or
-            # overrunning): idle then is no measure of the rates.
-            prev = self._turns_util.pop(dev, None)
-            both = None if prev is None or util.get(dev) is None else (prev + util[dev]) / 2
-            gains = None if first else turn_gains(both, [self.turns[k] for k in keys], budgets)
-            # Kept for the next reading unless a change follows it: readings
-            # from before a change say nothing after it.
-            if not first and gains is None and not any(b.turn_short for b in budgets):
-                self._turns_util[dev] = util.get(dev)
-            log.debug("turns on device %d: %s%% busy, slots %s, short %s, gains %s", dev,
-                      util.get(dev), [b.turn_slots for b in budgets],
-                      [b.turn_short for b in budgets], gains)
-            if gains is not None:
-                names = self._group_names()
-                for b, gain in zip(budgets, gains):
-                    scale_rate(b, gain)
-                busy = 100 * sum(self.turns[k].length for k in keys)
-                said = ", ".join(f"{names.get(k[0], k[0])!r} x{gain:.3f}"
-                                 for k, gain in zip(keys, gains) if gain != 1.0)
-                self.record("throttle", f"device {dev}: {both:.1f}% busy in turns that "
-                            f"should fill {busy:.0f}%: " + (
-                                f"rates learned side by side were short, raised: {said}"
-                                if max(gains) > 1.0 else f"raised rates overran their turns, "
-                                f"lowered: {said}"),
-                            device=dev, gains=dict(zip((names.get(k[0], str(k[0])) for k in keys),
-                                                       gains)), util=both)
-            busy = 100 * sum(self.turns[k].length for k in keys)
-            if gains is None and both is not None and both < busy * TURNS_IDLE_SHARE \
-                    and budgets and all(b.turn_slots >= 3 for b in budgets):
-                # Far idler than the turns should keep it, and nothing to raise
-                # (rates learned alone are taken as right): the rates are wrong,
-                # not the GPU. Fail open: the groups are paced side by side.
-                self._turns_off[dev] = now + TURNS_OFF_S
-                self.counters["sm_corrections_turns_idle"] += 1
-                self.record("throttle", f"device {dev}: {both:.1f}% busy in turns that should "
-                            f"fill {busy:.0f}%: no turns there for {TURNS_OFF_S:g} s",
-                            device=dev, sm_correction="turns_idle", util=both, target=busy)
-            for b in budgets:
-                b.turn_short_before, b.turn_slots, b.turn_short = b.turn_short, 0, 0
-
-    def _take_turns(self, use: dict, now: float) -> None:
-        """GPU-bound groups capped on one device take turns where two or more
-        have their rates; not one learning (it runs free), lending idle time,
-        host-bound (throttle.gpu_bound), or launching on another device too
-        (a hold stops all of a group's processes, so its turns on two
-        devices would stop it in both)."""
-        devices = collections.defaultdict(set)
-        for (gi, dev), (consumed, *_r) in use.items():
-            if consumed:
-                devices[gi].add(dev)
-        caps = collections.defaultdict(dict)
-        for key, b in self.budgets.items():
-            if (not b.learning and gpu_bound(b) and key not in self.lending
-                    and devices.get(key[0]) == {key[1]} and self._turns_off.get(key[1], 0) <= now):
-                caps[key[1]][key] = b.cap
-        new = {}
-        for dev, on in caps.items():
-            new.update(turns(on, epoch=self._turn_epoch, period=self.cfg.sm_turn_ms / 1000))
-        for dev in sorted({d for _g, d in new} | {d for _g, d in self.turns}):
-            mine = sorted(k for k in new if k[1] == dev)
-            if mine == sorted(k for k in self.turns if k[1] == dev):
-                continue
-            names = self._group_names()
-            self.record("throttle", f"device {dev}: " + (
-                "groups " + ", ".join(f"{names.get(k[0], k[0])!r} ({new[k].length:.0%})" for k in mine)
-                + f" take turns every {self.cfg.sm_turn_ms:g} ms" if mine else "no turns"),
-                device=dev, turns={names.get(k[0], str(k[0])): round(new[k].length, 4) for k in mine})
-            self._turns_read = None     # the utilization of other turns says nothing
-            self._turns_util.pop(dev, None)
-        self.turns = new
-
     def _group_names(self) -> dict[int, str]:
         """Group index -> name (the budgets and turns are keyed by index)."""
         return {g.index: g.name for g in self.table.groups()}
@@ -685,7 +589,7 @@ class SmControl:
         self._budget_logged.pop(key, None)
         self.lending.discard(key)
 
-    def _group_share(self, group_index: int) -> float | None:
+    def group_share(self, group_index: int) -> float | None:
         vals = [v for (gi, _d), v in self.sm_share.items() if gi == group_index and v is not None]
         return round(max(vals), 1) if vals else None
 

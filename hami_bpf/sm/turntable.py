@@ -1,0 +1,120 @@
+"""The turns capped groups take on a device, and their check against it.
+
+GPU-bound groups capped on one device take turns (throttle.turns: a slot of
+every period, as long as the group's cap) where two or more have their rates.
+Every TURN_CALIBRATE_S the device's utilization says whether the turns fill
+it: where it idles, rates learned side by side are raised (throttle.turn_gains);
+where it idles far more and nothing can be raised, the rates are wrong, not
+the GPU, and the turns end on that device for TURNS_OFF_S (fail open: the
+groups are paced side by side, each budget checked by sm.guard).
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from typing import Callable
+
+from ..throttle import TURN_CALIBRATE_S, Turn, gpu_bound, scale_rate, turn_gains, turns
+
+log = logging.getLogger("hami_bpf")
+
+TURNS_IDLE_SHARE = 0.5   # a device this far under what its turns should fill ...
+TURNS_OFF_S = 30.0       # ... takes no turns for this long
+
+
+class TurnTable:
+    """Owns the slots (by (group index, device)) and what was read of them."""
+
+    def __init__(self, period_s: float, record: Callable, counters: collections.Counter) -> None:
+        self.period_s = period_s
+        self.record, self.counters = record, counters
+        self.slots: dict[tuple[int, int], Turn] = {}
+        self._epoch = time.monotonic()          # slots are counted from the daemon's start
+        self._read: float | None = None         # when the devices were last read
+        self._util: dict[int, float | None] = {}    # ... and what was read
+        self._off: dict[int, float] = {}        # device -> no turns there until (monotonic)
+
+    def plan(self, use: dict, now: float, budgets: dict, lending: set,
+             names: Callable[[], dict]) -> None:
+        """Who takes turns where: groups with their rates, not learning (it
+        runs free), lending idle time, host-bound (throttle.gpu_bound), or
+        launching on another device too (a hold stops all of a group's
+        processes, so its turns on two devices would stop it in both)."""
+        devices = collections.defaultdict(set)
+        for (gi, dev), (consumed, *_r) in use.items():
+            if consumed:
+                devices[gi].add(dev)
+        caps = collections.defaultdict(dict)
+        for key, b in budgets.items():
+            if (not b.learning and gpu_bound(b) and key not in lending
+                    and devices.get(key[0]) == {key[1]} and self._off.get(key[1], 0) <= now):
+                caps[key[1]][key] = b.cap
+        new = {}
+        for dev, on in caps.items():
+            new.update(turns(on, epoch=self._epoch, period=self.period_s))
+        for dev in sorted({d for _g, d in new} | {d for _g, d in self.slots}):
+            mine = sorted(k for k in new if k[1] == dev)
+            if mine == sorted(k for k in self.slots if k[1] == dev):
+                continue
+            named = names()
+            self.record("throttle", f"device {dev}: " + (
+                "groups " + ", ".join(f"{named.get(k[0], k[0])!r} ({new[k].length:.0%})" for k in mine)
+                + f" take turns every {self.period_s * 1000:g} ms" if mine else "no turns"),
+                device=dev, turns={named.get(k[0], str(k[0])): round(new[k].length, 4) for k in mine})
+            self._read = None     # the utilization of other turns says nothing
+            self._util.pop(dev, None)
+        self.slots = new
+
+    def calibrate(self, now: float, budgets: dict, utilization: Callable[[], dict],
+                  names: Callable[[], dict]) -> None:
+        """Check the turns against the devices' utilization: every
+        TURN_CALIBRATE_S, from the readings since the last one; the first
+        reading only starts the count."""
+        if self._read is not None and now - self._read < TURN_CALIBRATE_S:
+            return
+        util = utilization()
+        first, self._read = self._read is None, now
+        for dev in sorted({d for _g, d in self.slots}):
+            keys = [k for k in self.slots if k[1] == dev and k in budgets]
+            group = [budgets[k] for k in keys]
+            # The mean of two readings since the last change: NVML's swing
+            # by 5-8 points between windows in one steady state. Not one
+            # taken while slots came up short (turns settling in, or
+            # overrunning): idle then is no measure of the rates.
+            prev = self._util.pop(dev, None)
+            both = None if prev is None or util.get(dev) is None else (prev + util[dev]) / 2
+            gains = None if first else turn_gains(both, [self.slots[k] for k in keys], group)
+            # Kept for the next reading unless a change follows it: readings
+            # from before a change say nothing after it.
+            if not first and gains is None and not any(b.turn_short for b in group):
+                self._util[dev] = util.get(dev)
+            log.debug("turns on device %d: %s%% busy, slots %s, short %s, gains %s", dev,
+                      util.get(dev), [b.turn_slots for b in group],
+                      [b.turn_short for b in group], gains)
+            busy = 100 * sum(self.slots[k].length for k in keys)
+            if gains is not None:
+                named = names()
+                for b, gain in zip(group, gains):
+                    scale_rate(b, gain)
+                said = ", ".join(f"{named.get(k[0], k[0])!r} x{gain:.3f}"
+                                 for k, gain in zip(keys, gains) if gain != 1.0)
+                self.record("throttle", f"device {dev}: {both:.1f}% busy in turns that "
+                            f"should fill {busy:.0f}%: " + (
+                                f"rates learned side by side were short, raised: {said}"
+                                if max(gains) > 1.0 else f"raised rates overran their turns, "
+                                f"lowered: {said}"),
+                            device=dev, gains=dict(zip((named.get(k[0], str(k[0])) for k in keys),
+                                                       gains)), util=both)
+            elif both is not None and both < busy * TURNS_IDLE_SHARE \
+                    and group and all(b.turn_slots >= 3 for b in group):
+                # Far idler than the turns should keep it, and nothing to raise
+                # (rates learned alone are taken as right): the rates are wrong,
+                # not the GPU. Fail open: the groups are paced side by side.
+                self._off[dev] = now + TURNS_OFF_S
+                self.counters["sm_corrections_turns_idle"] += 1
+                self.record("throttle", f"device {dev}: {both:.1f}% busy in turns that should "
+                            f"fill {busy:.0f}%: no turns there for {TURNS_OFF_S:g} s",
+                            device=dev, sm_correction="turns_idle", util=both, target=busy)
+            for b in group:
+                b.turn_short_before, b.turn_slots, b.turn_short = b.turn_short, 0, 0
