@@ -373,7 +373,7 @@ class SmControl:
                                        "may use what is idle (no busy group of higher or equal "
                                        "priority)"), group=group, device=dev, lending=not held)
                 if b.learning and learning and group not in self.throttled:
-                    self.guard.reference(key, util.get(dev))
+                    self.guard.reference(key, util.get(dev), now)
                 if not b.learning and key not in self.turns and key not in self.lending \
                         and self.devices.has_utilization:
                     if util_now is None:
@@ -405,8 +405,11 @@ class SmControl:
                 self._resume_group(group)
             if group in self.throttled:
                 self.last_throttled[group] = now
-        if self.turns and not learning and self.devices.has_utilization:
-            self.turntable.calibrate(now, self.budgets, self.devices.utilization, self._group_names)
+        if self.turns and self.devices.has_utilization:
+            self.turntable.check_idle(now, self.devices.utilization)
+            if not learning:
+                self.turntable.calibrate(now, self.budgets, self.devices.utilization,
+                                         self._group_names)
 
     def _guard(self, key: tuple[int, int], group: str, b: Budget, now: float,
                util: float | None, held: bool) -> None:

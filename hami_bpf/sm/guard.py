@@ -40,6 +40,7 @@ from enum import Enum
 WINDOW_S = 1.0
 MIN_HELD = 0.1        # held this part of a window at least: the budget is what binds
 MIN_READINGS = 3
+REF_LAG_S = 1.0       # NVML's utilization reads what ran this long ago
 IDLE_PTS = 10.0
 TRIM_PTS = 5.0
 FAST_MIN, FAST_MAX = 1.5, 8.0
@@ -90,20 +91,28 @@ class Guard:
     def __init__(self) -> None:
         self._w: dict[tuple[int, int], _Window] = {}
         self._ref: dict[tuple[int, int], tuple[float, int]] = {}   # (sum, readings) running free
+        self._ref_start: dict[tuple[int, int], float] = {}          # first reading offered
 
     def forget(self, key: tuple[int, int]) -> None:
         self._w.pop(key, None)
         self._ref.pop(key, None)
+        self._ref_start.pop(key, None)
 
     def forget_group(self, group_index: int) -> None:
         for key in [k for k in self._w if k[0] == group_index]:
             del self._w[key]
         for key in [k for k in self._ref if k[0] == group_index]:
             del self._ref[key]
+        for key in [k for k in self._ref_start if k[0] == group_index]:
+            del self._ref_start[key]
 
-    def reference(self, key: tuple[int, int], util: float | None) -> None:
-        """A reading while the group runs free (its budget learning)."""
-        if util is not None:
+    def reference(self, key: tuple[int, int], util: float | None, now: float) -> None:
+        """A reading while the group runs free (its budget learning). NVML's
+        utilization lags by about a second: readings from the first REF_LAG_S
+        are of whatever ran before (a neighbour's learning, an idle device),
+        and are not taken."""
+        first = self._ref_start.setdefault(key, now)
+        if util is not None and now - first >= REF_LAG_S:
             total, n = self._ref.get(key, (0.0, 0))
             self._ref[key] = (total + util, n + 1)
 

@@ -4,9 +4,9 @@ GPU-bound groups capped on one device take turns (throttle.turns: a slot of
 every period, as long as the group's cap) where two or more have their rates.
 Every TURN_CALIBRATE_S the device's utilization says whether the turns fill
 it: where it idles, rates learned side by side are raised (throttle.turn_gains);
-where it idles far more and nothing can be raised, the rates are wrong, not
-the GPU, and the turns end on that device for TURNS_OFF_S (fail open: the
-groups are paced side by side, each budget checked by sm.guard).
+where it idles far more, the rates are wrong, not the GPU, and the turns end
+on that device for TURNS_OFF_S (fail open: the groups are paced side by side,
+each budget checked by sm.guard).
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ log = logging.getLogger("hami_bpf")
 
 TURNS_IDLE_SHARE = 0.5   # a device this far under what its turns should fill ...
 TURNS_OFF_S = 30.0       # ... takes no turns for this long
+TURNS_SETTLE_S = 2.0     # turns this young are not judged (NVML reads the second before)
 
 
 class TurnTable:
@@ -34,6 +35,9 @@ class TurnTable:
         self._read: float | None = None         # when the devices were last read
         self._util: dict[int, float | None] = {}    # ... and what was read
         self._off: dict[int, float] = {}        # device -> no turns there until (monotonic)
+        self._began: dict[int, float] = {}      # device -> its turns as they are since
+        self._low: dict[int, int] = {}          # device -> idle readings in a row
+        self._idle_read = -1e9
 
     def plan(self, use: dict, now: float, budgets: dict, lending: set,
              names: Callable[[], dict]) -> None:
@@ -64,6 +68,8 @@ class TurnTable:
                 device=dev, turns={named.get(k[0], str(k[0])): round(new[k].length, 4) for k in mine})
             self._read = None     # the utilization of other turns says nothing
             self._util.pop(dev, None)
+            self._began[dev] = now
+            self._low.pop(dev, None)
         self.slots = new
 
     def calibrate(self, now: float, budgets: dict, utilization: Callable[[], dict],
@@ -92,8 +98,8 @@ class TurnTable:
             log.debug("turns on device %d: %s%% busy, slots %s, short %s, gains %s", dev,
                       util.get(dev), [b.turn_slots for b in group],
                       [b.turn_short for b in group], gains)
-            busy = 100 * sum(self.slots[k].length for k in keys)
             if gains is not None:
+                busy = 100 * sum(self.slots[k].length for k in keys)
                 named = names()
                 for b, gain in zip(group, gains):
                     scale_rate(b, gain)
@@ -106,15 +112,33 @@ class TurnTable:
                                 f"lowered: {said}"),
                             device=dev, gains=dict(zip((named.get(k[0], str(k[0])) for k in keys),
                                                        gains)), util=both)
-            elif both is not None and both < busy * TURNS_IDLE_SHARE \
-                    and group and all(b.turn_slots >= 3 for b in group):
-                # Far idler than the turns should keep it, and nothing to raise
-                # (rates learned alone are taken as right): the rates are wrong,
-                # not the GPU. Fail open: the groups are paced side by side.
-                self._off[dev] = now + TURNS_OFF_S
-                self.counters["sm_corrections_turns_idle"] += 1
-                self.record("throttle", f"device {dev}: {both:.1f}% busy in turns that should "
-                            f"fill {busy:.0f}%: no turns there for {TURNS_OFF_S:g} s",
-                            device=dev, sm_correction="turns_idle", util=both, target=busy)
             for b in group:
                 b.turn_short_before, b.turn_slots, b.turn_short = b.turn_short, 0, 0
+
+    def check_idle(self, now: float, utilization: Callable[[], dict]) -> None:
+        """Fail open: turns that keep their device under TURNS_IDLE_SHARE of
+        what they should fill, in two readings TURN_CALIBRATE_S apart (and
+        TURNS_SETTLE_S after they began: NVML lags), end on that device for
+        TURNS_OFF_S. Whatever the budgets say: the rates are wrong, not the
+        GPU, and the groups are paced side by side, each budget checked by
+        sm.guard. Runs while budgets learn too (turns can starve a learner)."""
+        if not self.slots or now - self._idle_read < TURN_CALIBRATE_S:
+            return
+        self._idle_read = now
+        util = utilization()
+        for dev in sorted({d for _g, d in self.slots}):
+            busy = 100 * sum(t.length for k, t in self.slots.items() if k[1] == dev)
+            cur = util.get(dev)
+            if cur is None or cur >= busy * TURNS_IDLE_SHARE \
+                    or now - self._began.setdefault(dev, now) < TURNS_SETTLE_S:
+                self._low.pop(dev, None)
+                continue
+            self._low[dev] = self._low.get(dev, 0) + 1
+            if self._low[dev] < 2:
+                continue
+            self._low.pop(dev, None)
+            self._off[dev] = now + TURNS_OFF_S
+            self.counters["sm_corrections_turns_idle"] += 1
+            self.record("throttle", f"device {dev}: {cur:.1f}% busy in turns that should "
+                        f"fill {busy:.0f}%: no turns there for {TURNS_OFF_S:g} s",
+                        device=dev, sm_correction="turns_idle", util=cur, target=busy)

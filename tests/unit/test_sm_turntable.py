@@ -8,6 +8,9 @@ from hami_bpf.sm.turntable import TurnTable
 from hami_bpf.throttle import Budget, Turn
 
 
+USE = {(1, 0): (10, 1, 1, 0, 0, 1), (2, 0): (10, 1, 1, 0, 0, 1)}
+
+
 def table() -> tuple[TurnTable, dict, list]:
     said: list = []
     t = TurnTable(0.1, lambda kind, msg, **data: said.append((kind, data)), collections.Counter())
@@ -19,18 +22,25 @@ def table() -> tuple[TurnTable, dict, list]:
     return t, budgets, said
 
 
-def calibrate(t: TurnTable, budgets: dict, util: float, start: float) -> float:
-    """Three readings TURN_CALIBRATE_S apart (the first only starts the count)."""
+def calibrate(t: TurnTable, budgets: dict, util: float, start: float, steps: int = 3) -> float:
+    """Readings TURN_CALIBRATE_S apart, from the turns' start at `start`."""
+    t.plan(USE, start, budgets, set(), dict)
     now = start
-    for _ in range(3):
+    for _ in range(steps):
+        now += 2.0
         for b in budgets.values():
             b.turn_slots = 5
+        t.check_idle(now, lambda: {0: util})
         t.calibrate(now, budgets, lambda: {0: util}, dict)
-        now += 2.0
     return now
 
 
-USE = {(1, 0): (10, 1, 1, 0, 0, 1), (2, 0): (10, 1, 1, 0, 0, 1)}
+def test_one_idle_reading_or_young_turns_end_nothing():
+    t, budgets, _said = table()
+    calibrate(t, budgets, 3.0, 100.0, steps=1)
+    assert t.counters["sm_corrections_turns_idle"] == 0
+    t.plan(USE, 102.5, budgets, set(), dict)
+    assert set(t.slots) == set(budgets)
 
 
 def test_turns_that_leave_their_device_idle_end_there_for_a_while():
