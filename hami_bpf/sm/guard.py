@@ -41,6 +41,9 @@ WINDOW_S = 1.0
 MIN_HELD = 0.1        # held this part of a window at least: the budget is what binds
 MIN_READINGS = 3
 REF_LAG_S = 1.0       # NVML's utilization reads what ran this long ago
+MIN_REF = 20.0        # a reference is taken as at least this: one read while the group
+                      # mostly waited (on a peer, a barrier, its input) would make a target
+                      # so low that a starved group never counts as idle
 IDLE_PTS = 10.0
 TRIM_PTS = 5.0
 FAST_MIN, FAST_MAX = 1.5, 8.0
@@ -120,7 +123,7 @@ class Guard:
         """Utilization the cap allows the group: cap% of its reference."""
         total, n = self._ref.get(key, (0.0, 0))
         ref = total / n if n >= MIN_READINGS else 100.0
-        return cap * min(max(ref, 1.0), 100.0) / 100.0
+        return cap * min(max(ref, MIN_REF), 100.0) / 100.0
 
     def observe(self, key: tuple[int, int], *, now: float, cap: float, held: bool,
                 util: float | None, shared: bool,

@@ -109,3 +109,13 @@ def test_readings_of_the_first_second_are_not_the_groups():
     for i in range(4):
         g.reference((1, 0), 90.0, 11.0 + i * 0.1)
     assert g.target((1, 0), 50) == 45.0
+
+
+def test_a_group_that_learned_while_it_waited_is_raised_fast_when_starved():
+    # Its reference read while it waited on a barrier (2% busy): held at
+    # 0% busy, it is raised by the most a window allows, not a step.
+    g = Guard()
+    for i in range(30):
+        g.reference((1, 0), 2.0, i * 0.5)
+    c = run_window(g, cap=50, util=0.0, start=20.0)
+    assert c is not None and c.reason is Reason.HELD_WHILE_IDLE and c.gain == guard.FAST_MAX
