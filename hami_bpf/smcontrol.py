@@ -406,10 +406,11 @@ class SmControl:
             if group in self.throttled:
                 self.last_throttled[group] = now
         if self.turns and self.devices.has_utilization:
-            self.turntable.check_idle(now, self.devices.utilization)
-            if not learning:
-                self.turntable.calibrate(now, self.budgets, self.devices.utilization,
-                                         self._group_names)
+            # One reading per tick: a reading may be of the time since the
+            # last one (the simulated GPU's is), and a second would halve it.
+            read = (lambda: util) if learning else self.devices.utilization
+            self.turntable.calibrate(now, self.budgets, read, self._group_names,
+                                     learning=learning)
 
     def _guard(self, key: tuple[int, int], group: str, b: Budget, now: float,
                util: float | None, held: bool) -> None:

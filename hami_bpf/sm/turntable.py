@@ -37,7 +37,6 @@ class TurnTable:
         self._off: dict[int, float] = {}        # device -> no turns there until (monotonic)
         self._began: dict[int, float] = {}      # device -> its turns as they are since
         self._low: dict[int, int] = {}          # device -> idle readings in a row
-        self._idle_read = -1e9
 
     def plan(self, use: dict, now: float, budgets: dict, lending: set,
              names: Callable[[], dict]) -> None:
@@ -73,14 +72,19 @@ class TurnTable:
         self.slots = new
 
     def calibrate(self, now: float, budgets: dict, utilization: Callable[[], dict],
-                  names: Callable[[], dict]) -> None:
+                  names: Callable[[], dict], learning: bool = False) -> None:
         """Check the turns against the devices' utilization: every
         TURN_CALIBRATE_S, from the readings since the last one; the first
-        reading only starts the count."""
+        reading only starts the count. While a budget learns (`learning`)
+        only idle turns are looked for: the rates are not final."""
         if self._read is not None and now - self._read < TURN_CALIBRATE_S:
             return
         util = utilization()
         first, self._read = self._read is None, now
+        self._check_idle(now, util)
+        if learning:
+            self._util.clear()      # readings while a budget learns say nothing of the rates
+            return
         for dev in sorted({d for _g, d in self.slots}):
             keys = [k for k in self.slots if k[1] == dev and k in budgets]
             group = [budgets[k] for k in keys]
@@ -115,17 +119,13 @@ class TurnTable:
             for b in group:
                 b.turn_short_before, b.turn_slots, b.turn_short = b.turn_short, 0, 0
 
-    def check_idle(self, now: float, utilization: Callable[[], dict]) -> None:
+    def _check_idle(self, now: float, util: dict) -> None:
         """Fail open: turns that keep their device under TURNS_IDLE_SHARE of
-        what they should fill, in two readings TURN_CALIBRATE_S apart (and
-        TURNS_SETTLE_S after they began: NVML lags), end on that device for
-        TURNS_OFF_S. Whatever the budgets say: the rates are wrong, not the
-        GPU, and the groups are paced side by side, each budget checked by
-        sm.guard. Runs while budgets learn too (turns can starve a learner)."""
-        if not self.slots or now - self._idle_read < TURN_CALIBRATE_S:
-            return
-        self._idle_read = now
-        util = utilization()
+        what they should fill, in two readings in a row (and TURNS_SETTLE_S
+        after they began: NVML lags), end on that device for TURNS_OFF_S.
+        Whatever the budgets say: the rates are wrong, not the GPU, and the
+        groups are paced side by side, each budget checked by sm.guard. Also
+        while budgets learn (turns can starve a learner)."""
         for dev in sorted({d for _g, d in self.slots}):
             busy = 100 * sum(t.length for k, t in self.slots.items() if k[1] == dev)
             cur = util.get(dev)

@@ -22,7 +22,8 @@ def table() -> tuple[TurnTable, dict, list]:
     return t, budgets, said
 
 
-def calibrate(t: TurnTable, budgets: dict, util: float, start: float, steps: int = 3) -> float:
+def calibrate(t: TurnTable, budgets: dict, util: float, start: float, steps: int = 3,
+              learning: bool = False) -> float:
     """Readings TURN_CALIBRATE_S apart, from the turns' start at `start`."""
     t.plan(USE, start, budgets, set(), dict)
     now = start
@@ -30,8 +31,7 @@ def calibrate(t: TurnTable, budgets: dict, util: float, start: float, steps: int
         now += 2.0
         for b in budgets.values():
             b.turn_slots = 5
-        t.check_idle(now, lambda: {0: util})
-        t.calibrate(now, budgets, lambda: {0: util}, dict)
+        t.calibrate(now, budgets, lambda: {0: util}, dict, learning=learning)
     return now
 
 
@@ -70,3 +70,10 @@ def test_a_group_lending_or_on_two_devices_takes_no_turn():
     assert t.slots == {}
     t.plan({**USE, (2, 1): (5, 1, 1, 0, 0, 1)}, 0.0, budgets, set(), dict)
     assert t.slots == {}
+
+
+def test_idle_turns_end_while_a_budget_learns_too():
+    t, budgets, said = table()
+    calibrate(t, budgets, 3.0, 100.0, learning=True)
+    assert t.counters["sm_corrections_turns_idle"] == 1
+    assert not any("gains" in d for _k, d in said)
