@@ -3,8 +3,8 @@
 It keeps, per group and device, the caps, the launch budgets
 (hami_bpf.throttle), the duty pacer (hami_bpf.sm.duty) and the guard
 (hami_bpf.sm.guard), the turns groups take on a device (hami_bpf.sm.turntable),
-who learns alone, and the holds: which processes of which group it stopped, since when. The daemon
-wires it to the probes, the slot table, the devices and the stopped set, and
+who learns alone, and the holds: which processes of which group it stopped,
+since when. The daemon wires it to the probes, the slot table, the devices and the stopped set, and
 calls it: `apply_cap` when a member's limits are read, `tick` on its loop,
 `on_hold` when BPF stopped a process at a launch or synchronize, `release`
 and `forget_group` as the slot table drops processes and groups, `wait_s` for
@@ -462,7 +462,7 @@ class SmControl:
             self.counters[f"sm_mode_{mode.value}"] += 1
             if mode is duty.Mode.DUTY:
                 self._forget_budget(key)
-                self.turntable.slots.pop(key, None)
+                self.turntable.forget(key)
             self.record("throttle", f"group {name!r} device {key[1]}: paced by "
                         + ("time, held at its synchronizes" if mode is duty.Mode.DUTY
                            else "its launch budget (it synchronizes rarely)"),

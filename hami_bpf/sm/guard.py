@@ -93,35 +93,31 @@ class Guard:
 
     def __init__(self) -> None:
         self._w: dict[tuple[int, int], _Window] = {}
-        self._ref: dict[tuple[int, int], tuple[float, int]] = {}   # (sum, readings) running free
-        self._ref_start: dict[tuple[int, int], float] = {}          # first reading offered
+        # (first reading offered, sum, readings taken) while it runs free
+        self._ref: dict[tuple[int, int], tuple[float, float, int]] = {}
 
     def forget(self, key: tuple[int, int]) -> None:
         self._w.pop(key, None)
         self._ref.pop(key, None)
-        self._ref_start.pop(key, None)
 
     def forget_group(self, group_index: int) -> None:
         for key in [k for k in self._w if k[0] == group_index]:
             del self._w[key]
         for key in [k for k in self._ref if k[0] == group_index]:
             del self._ref[key]
-        for key in [k for k in self._ref_start if k[0] == group_index]:
-            del self._ref_start[key]
 
     def reference(self, key: tuple[int, int], util: float | None, now: float) -> None:
         """A reading while the group runs free (its budget learning). NVML's
         utilization lags by about a second: readings from the first REF_LAG_S
         are of whatever ran before (a neighbour's learning, an idle device),
         and are not taken."""
-        first = self._ref_start.setdefault(key, now)
+        first, total, n = self._ref.setdefault(key, (now, 0.0, 0))
         if util is not None and now - first >= REF_LAG_S:
-            total, n = self._ref.get(key, (0.0, 0))
-            self._ref[key] = (total + util, n + 1)
+            self._ref[key] = (first, total + util, n + 1)
 
     def target(self, key: tuple[int, int], cap: float) -> float:
         """Utilization the cap allows the group: cap% of its reference."""
-        total, n = self._ref.get(key, (0.0, 0))
+        _first, total, n = self._ref.get(key, (0.0, 0.0, 0))
         ref = total / n if n >= MIN_READINGS else 100.0
         return cap * min(max(ref, MIN_REF), 100.0) / 100.0
 

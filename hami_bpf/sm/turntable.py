@@ -38,6 +38,10 @@ class TurnTable:
         self._began: dict[int, float] = {}      # device -> its turns as they are since
         self._low: dict[int, int] = {}          # device -> idle readings in a row
 
+    def forget(self, key: tuple[int, int]) -> None:
+        """The group is no longer paced by its budget there: no slot for it."""
+        self.slots.pop(key, None)
+
     def plan(self, use: dict, now: float, budgets: dict, lending: set,
              names: Callable[[], dict]) -> None:
         """Who takes turns where: groups with their rates, not learning (it
