@@ -1,0 +1,173 @@
+#!/usr/bin/env python3
+"""What stopping and continuing a workload does to its speed, with no daemon.
+
+hami-bpf holds a group by SIGSTOP and releases it by SIGCONT. This runs one
+workload of bench/gpu/workloads/ and drives the same signals from here on a
+plan of segments: `free:S` (never stopped) and `dC:S` (duty: in every
+--period, running C% of it, stopped the rest), each S seconds. Per segment it
+prints the workload's rate, the rate per second of running (rate / C%), that
+against the mean of the free segments on either side, the process's CPU
+seconds per second of running and work units per CPU second, and the CPUs its
+main thread ran on.
+
+If a workload runs as fast between stops as it runs free, the rate per
+running second is ~100% of free: a controller that runs it C% of the time
+gets C% of its speed. Below 100% is what stopping itself costs (caches,
+clocks, scheduling), which no controller can see from outside.
+
+    python3 bench/gpu/stopcont.py [--workload llm_decode] [--period 0.2]
+        [--plan "free:6 d50:8 free:6 d25:8 free:6 d75:8 free:6"]
+        [--pin CPU] [--spin CPU,CPU] [--json F] [-- workload args]
+"""
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def parse_plan(text):
+    out = []
+    for item in text.split():
+        name, _, secs = item.partition(":")
+        duty = 100 if name == "free" else int(name.lstrip("d"))
+        if not 0 < duty <= 100:
+            raise SystemExit(f"plan item {item!r}: duty must be 1..100")
+        out.append((name, duty, float(secs)))
+    return out
+
+
+def cpu_seconds(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / TICK
+    except OSError:
+        return None
+
+
+def main_cpu(pid):
+    try:
+        with open(f"/proc/{pid}/task/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[36])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def spinner(cpu):
+    return subprocess.Popen(["taskset", "-c", str(cpu), sys.executable, "-c", "while True: pass"])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workload", default="llm_decode")
+    ap.add_argument("--plan", default="free:6 d50:8 free:6 d25:8 free:6 d75:8 free:6")
+    ap.add_argument("--period", type=float, default=0.2, help="seconds of one stop-and-run cycle")
+    ap.add_argument("--pin", default=None, help="taskset CPU list for the workload")
+    ap.add_argument("--spin", default="", help="CPUs to keep busy with a Python spin loop meanwhile")
+    ap.add_argument("--json", default=None, help="write the per-segment results here")
+    ap.add_argument("--label", default="")
+    a, rest = ap.parse_known_args()
+    rest = [r for r in rest if r != "--"]
+    plan = parse_plan(a.plan)
+    total = sum(s for _, _, s in plan)
+    sync = tempfile.mkdtemp(prefix="stopcont-")
+    cmd = [sys.executable, os.path.join(HERE, "workloads", f"{a.workload}.py"),
+           "--seconds", str(total + 1), "--sync-dir", sync, *rest]
+    if a.pin:
+        cmd = ["taskset", "-c", a.pin, *cmd]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    lines = []
+    reader = threading.Thread(target=lambda: lines.extend(json.loads(l) for l in p.stdout
+                                                         if l.startswith("{")), daemon=True)
+    reader.start()
+    open(os.path.join(sync, "go"), "w").close()
+    while not os.path.exists(os.path.join(sync, "ready")):
+        if p.poll() is not None:
+            raise SystemExit(f"{a.workload} exited {p.returncode} before it was ready")
+        time.sleep(0.05)
+    spins = [spinner(c) for c in a.spin.split(",") if c]
+    segs = []
+    try:
+        open(os.path.join(sync, "start"), "w").close()
+        for name, duty, secs in plan:
+            t0, c0 = time.monotonic(), cpu_seconds(p.pid)
+            cpus, ran = {}, 0.0
+            end = t0 + secs
+            while time.monotonic() < end:
+                cyc = time.monotonic()
+                run_for = min(a.period * duty / 100, end - cyc)
+                c = main_cpu(p.pid)
+                cpus[c] = cpus.get(c, 0) + 1
+                time.sleep(max(run_for, 0))
+                ran += time.monotonic() - cyc
+                if duty < 100 and time.monotonic() < end:
+                    os.kill(p.pid, signal.SIGSTOP)
+                    time.sleep(min(a.period - run_for, max(end - time.monotonic(), 0)))
+                    os.kill(p.pid, signal.SIGCONT)
+            t1, c1 = time.monotonic(), cpu_seconds(p.pid)
+            segs.append({"name": name, "duty": duty, "t0": t0, "t1": t1, "ran": ran,
+                         "cpu_s": (c1 - c0) if c0 is not None and c1 is not None else None,
+                         "cpus": {str(k): v for k, v in sorted(cpus.items(), key=lambda kv: -kv[1])}})
+    finally:
+        try:
+            os.kill(p.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        for s in spins:
+            s.kill()
+    p.wait(timeout=120)
+    reader.join(timeout=5)
+    summ = next((l for l in lines if l.get("summary")), None)
+    if summ is None:
+        raise SystemExit(f"{a.workload}: no summary line (exit {p.returncode})")
+    mono0 = summ["mono0"]
+    for s in segs:
+        # Whole intervals only, inside the segment, after its first second.
+        units = secs = 0.0
+        for l in lines:
+            if l.get("summary"):
+                continue
+            lo, hi = mono0 + l["t"], mono0 + l["t"] + l["dt"]
+            if lo >= s["t0"] + 1.0 and hi <= s["t1"]:
+                units += l["n"]
+                secs += l["dt"]
+        s["rate"] = units / secs if secs else None
+        s["run_frac"] = s["ran"] / (s["t1"] - s["t0"])
+        s["rate_per_run_s"] = s["rate"] / s["run_frac"] if s["rate"] else None
+        s["cpu_per_run_s"] = s["cpu_s"] / s["ran"] if s["cpu_s"] is not None and s["ran"] else None
+        s["units_per_cpu_s"] = (units / secs * (s["t1"] - s["t0"]) / s["cpu_s"]
+                                if s["cpu_s"] and secs else None)
+    for i, s in enumerate(segs):
+        if s["duty"] == 100:
+            continue
+        near = [segs[j]["rate"] for j in (i - 1, i + 1)
+                if 0 <= j < len(segs) and segs[j]["duty"] == 100 and segs[j]["rate"]]
+        ref = sum(near) / len(near) if near else None
+        s["free_ref"] = ref
+        s["of_free"] = 100 * s["rate"] / ref if ref and s["rate"] else None
+        s["run_of_free"] = 100 * s["rate_per_run_s"] / ref if ref and s["rate_per_run_s"] else None
+    unit = summ.get("unit", "")
+    print(f"# {a.workload} {a.label} period {a.period}s pin {a.pin or '-'} spin {a.spin or '-'} ({unit})")
+    print("| segment | rate | % of free | per running s, % of free | CPU s / running s | units / CPU s | main thread's CPUs |")
+    print("|---|---:|---:|---:|---:|---:|---|")
+    f = lambda v, d=1: "-" if v is None else f"{v:.{d}f}"
+    for s in segs:
+        print(f"| {s['name']} | {f(s['rate'])} | {f(s.get('of_free'))} | {f(s.get('run_of_free'))} | "
+              f"{f(s['cpu_per_run_s'], 2)} | {f(s['units_per_cpu_s'])} | "
+              f"{' '.join(f'{k}:{v}' for k, v in list(s['cpus'].items())[:4])} |")
+    if a.json:
+        with open(a.json, "a") as fh:
+            fh.write(json.dumps({"workload": a.workload, "label": a.label, "period": a.period,
+                                 "pin": a.pin, "spin": a.spin, "segments": segs}) + "\n")
+
+
+if __name__ == "__main__":
+    main()
