@@ -7,7 +7,7 @@
 # Every ratio is against the same invocation's uncapped reference.
 # Usage: [QUICK=1] [WORKLOADS="cnn_train llm_decode ..."] [CAPS="25 50 75"]
 #        [PAIRS="cnn_train:llm_decode llm_prefill:cnn_train"] [SPLITS="30:70 50:50"]
-#        [SECTIONS="single service pair"] [SUITE_SECONDS=10] [SUITE_BUDGET=s]
+#        [SECTIONS="single service pair twin"] [TWINS=llm_decode] [SUITE_SECONDS=10] [SUITE_BUDGET=s]
 #        [ORDER=refs-first|per-workload]
 #        [DAEMON_ARGS=...] bash bench/gpu/suite.sh
 # Results in $OUT: suite.jsonl (raw, tagged lines), summary.md and summary.json

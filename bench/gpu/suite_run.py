@@ -15,10 +15,19 @@ Sections (SECTIONS, default "single service pair"):
            its group (workloads/churner.py) start and exit around it
   pair     for each "a:b" in PAIRS and each split "x:y" in SPLITS: a capped
            at x and b at y, in two groups, started together
+  twin     for each workload in TWINS (default llm_decode): two processes of
+           it at once in two groups, side a capped at each cap in CAPS and
+           side b uncapped, and once both uncapped. Side a is judged against
+           side b over the same seconds: a host-bound loop's own speed drifts
+           with the machine's CPU from one stretch of seconds to the next (a
+           decode loop by up to 2x), which a reference taken at another time
+           cannot cancel and a twin running beside it does, as far as the
+           drift is the machine's; the both-uncapped run says how far that is.
+           With "service" too, the service run gets an uncapped twin.
 A workload that a pair or the service needs and that the single section does
 not measure gets its own uncapped reference too.
 
-Environment: WORKLOADS, CAPS, PAIRS, SPLITS, SUITE_SECONDS (timed loop per run,
+Environment: WORKLOADS, CAPS, PAIRS, SPLITS, TWINS, SUITE_SECONDS (timed loop per run,
 default 10), SERVICE_CAP, QUICK=1 (caps 50 only, one pair at 30:70),
 ARGS_<workload> (extra arguments, e.g. ARGS_cnn_train="--arch resnet18"),
 PIN=0 (no CPU pinning).
@@ -363,9 +372,18 @@ class Suite:
         if "service" in a.sections:
             ensure_ref("llm_decode")
             label = self.group(f"svc{a.service_cap}-llm_decode")
-            r = Run(label, "service", [Proc("llm_decode", label, a.service_cap, "a", None)],
-                    ref={"llm_decode": refs["llm_decode"]}, churn=True)
+            procs = [Proc("llm_decode", label, a.service_cap, "a", None)]
+            if "twin" in a.sections:
+                procs.append(Proc("llm_decode", self.group(f"{label}-twin"), None, "b", None))
+            r = Run(label, "service", procs, ref={"llm_decode": refs["llm_decode"]}, churn=True)
             runs.append(r)
+        if "twin" in a.sections:
+            for w in a.twins:
+                for c in [None] + a.caps:
+                    label = self.group(f"twin{'free' if c is None else c}-{w}")
+                    procs = [Proc(w, self.group(f"{label}-a"), c, "a", None),
+                             Proc(w, self.group(f"{label}-b"), None, "b", None)]
+                    runs.append(Run(label, "twin", procs))
         if "pair" in a.sections:
             for i, pair in enumerate(a.pairs):
                 wa, wb = pair.split(":")
@@ -468,10 +486,14 @@ def main() -> int:
     a.splits = words("SPLITS", "30:70" if quick else "30:70 50:50")
     a.sections = words("SECTIONS", "single service pair")
     a.service_cap = int(os.environ.get("SERVICE_CAP", "50"))
+    a.twins = words("TWINS", "llm_decode")
     a.order = os.environ.get("ORDER", "refs-first")
     if a.order not in ("refs-first", "per-workload"):
         ap.error("ORDER: refs-first or per-workload")
-    for w in a.workloads + [x for p in a.pairs for x in p.split(":")]:
+    used = ((a.workloads if "single" in a.sections else []) + (a.twins if "twin" in a.sections else [])
+            + (["llm_decode"] if "service" in a.sections else [])
+            + ([x for p in a.pairs for x in p.split(":")] if "pair" in a.sections else []))
+    for w in used:
         if not os.path.exists(os.path.join(WDIR, f"{w}.py")):
             ap.error(f"no workload {w} (bench/gpu/workloads/{w}.py)")
     s = Suite(a)

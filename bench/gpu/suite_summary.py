@@ -18,6 +18,10 @@ Per run and side (a pair has two):
               own ratio is under cap - 10, in seconds
   GPU         NVML device utilization, mean over the run after --skip
   phases      per phase: % of the reference's rate in that phase
+A twin run (two processes of one workload at once, side b uncapped) judges
+side a against side b over the same seconds; the both-uncapped twin run
+also gives the correlation of the two sides' 1 s rates. The service run's
+twin, when it has one, gives "% of its uncapped twin" beside the reference.
 A reference row shows its own spread instead (the coefficient of variation of
 its 1 s rates after --skip): a cap cannot be judged closer than that.
 Prints a markdown table, then the per-second series of the run furthest from
@@ -133,6 +137,17 @@ def analyze(lines, ref_lines, cap, skip, tol):
     }
 
 
+def correlation(xs, ys, skip):
+    """Pearson coefficient of two processes' 1 s rates, interval by interval:
+    how far their speeds drift together."""
+    a = [o["rate"] for o in xs if o["t"] >= skip and o["dt"] >= 0.5]
+    b = [o["rate"] for o in ys if o["t"] >= skip and o["dt"] >= 0.5]
+    n = min(len(a), len(b))
+    if n < 3 or statistics.pstdev(a[:n]) == 0 or statistics.pstdev(b[:n]) == 0:
+        return None
+    return round(statistics.correlation(a[:n], b[:n]), 3)
+
+
 def fmt(v, spec="{:.1f}"):
     return "-" if v is None else (spec.format(v) if isinstance(v, (int, float)) else str(v))
 
@@ -156,11 +171,18 @@ def main():
         m = meta[key]
         lines = series[key]
         ref_lines = ref_of.get(m["ref"]) if m["ref"] else lines
+        twin = series.get((m["run"], "b")) if m["side"] == "a" and m["kind"] in ("twin", "service") else None
+        if m["kind"] == "twin":
+            ref_lines = twin if m["side"] == "a" else lines
         skip = a.skip
         if not any(o["t"] >= skip for o in lines) or not any(o["t"] >= skip for o in (ref_lines or [])):
             skip = 0.0            # a run shorter than --skip: all of it
         res = analyze(lines, ref_lines or [], m["cap"], skip, a.tol)
         res["skip_s"] = skip
+        if twin and m["kind"] == "service":
+            res["vs_twin"] = analyze(lines, twin, m["cap"], skip, a.tol)["ratio"]
+        if twin and m["cap"] is None:
+            res["twin_corr"] = correlation(lines, twin, skip)
         samples = [o for o in nvml.get(m["run"], []) if a.skip <= o.get("rt", 0) <= run_s]
         util = [o["gpu"] for o in samples]
         mhz = [o["sm_mhz"] for o in samples if o.get("sm_mhz")]
@@ -185,7 +207,12 @@ def main():
     print("|---|---|---:|---:|---|---:|:---:|---:|---:|---:|---|")
     for r in rows:
         notes = []
-        if r["kind"] == "ref":
+        ref_row = r["kind"] == "ref" or (r["kind"] == "twin" and r["side"] == "b")
+        if r.get("vs_twin") is not None:
+            notes.append(f"{r['vs_twin']:.1f}% of its uncapped twin over the same seconds")
+        if r.get("twin_corr") is not None:
+            notes.append(f"1 s rates' correlation with the twin {r['twin_corr']:.2f}")
+        if ref_row:
             notes.append(f"spread (CV) {fmt(r.get('cv'), '{:.3f}')}")
         if r.get("phases"):
             notes.append(", ".join(f"{p} {v:.1f}%" for p, v in sorted(r["phases"].items())))
@@ -203,8 +230,7 @@ def main():
             notes.append(f"SM clock {r['sm_mhz']} MHz")
         if r.get("gpu_setup_s") is not None:
             notes.append(f"set-up {r['gpu_setup_s']:.1f} s")
-        ref_row = r["kind"] == "ref"
-        print(f"| {r['run']}{'' if r['kind'] != 'pair' else ' (' + r['side'] + ')'} | {r['w']} "
+        print(f"| {r['run']}{'' if r['kind'] not in ('pair', 'twin') and r['side'] == 'a' else ' (' + r['side'] + ')'} | {r['w']} "
               f"| {r['cap'] if r['cap'] is not None else '-'} | {fmt(r['rate'], '{:.2f}')} | {r['unit']} "
               f"| {'-' if ref_row else fmt(r['ratio'])} | {'' if ref_row else ('yes' if r.get('within') else 'no')} "
               f"| {'-' if ref_row else fmt(r.get('settle_s'))} | {'-' if ref_row else fmt(r.get('longest_below_s'))} "
@@ -218,7 +244,7 @@ def main():
         if not e.get("ok", True):
             print(f"\nnot started: {run} (set-up failed after {e.get('setup_s')} s)", end="")
     print()
-    capped = [r for r in rows if r["kind"] != "ref" and r.get("ratio") is not None]
+    capped = [r for r in rows if r["kind"] != "ref" and r.get("ratio") is not None and r["cap"] is not None]
     worst = max(capped, key=lambda r: abs(r["ratio"] - r["target"]), default=None)
     if worst:
         print(f"\nFurthest from its cap: {worst['run']} ({worst['w']}, cap {worst['cap']}): "
