@@ -65,7 +65,7 @@ class TurnTable:
             if mine == sorted(k for k in self.slots if k[1] == dev):
                 continue
             named = names()
-            self.record("throttle", "turns", device=dev, period_ms=self.period_s * 1000,
+            self.record("throttle", "turns", device=dev, period_ms=round(self.period_s * 1000, 3),
                         turns={named.get(k[0], str(k[0])): round(new[k].length, 4) for k in mine})
             self._read = None     # the utilization of other turns says nothing
             self._util.pop(dev, None)
