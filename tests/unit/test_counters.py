@@ -47,6 +47,10 @@ def test_metrics_families_are_produced_counters():
     names = [metrics.EXIT_LATENCY_COUNT, metrics.EXIT_LATENCY_SUM,
              metrics.EXIT_LATENCY_BUCKET.format(metrics.EXIT_LATENCY_BUCKETS_NS[0])]
     assert [k for k in names if not counters.known(k)] == []
+    c = counters.Counters()
+    metrics.observe_exit_latency(c, 10 ** 12)      # past every bucket
+    metrics.observe_exit_latency(c, 0)             # in every bucket
+    assert c[metrics.EXIT_LATENCY_COUNT] == 2
 
 
 def test_the_daemons_counters_refuse_undeclared_names():
