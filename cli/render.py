@@ -328,17 +328,19 @@ def render_group_panel(g: GroupInfo, members: Sequence[ProcessInfo], view: TopVi
 # Names from hami_bpf.counters (tests check each one is produced somewhere).
 _COUNTER_ORDER = ("events", "denials", "compactions", "ringbuf_drops", "throttle_episodes",
                   "reaped", "handler_errors", "enforce_errors")
+_COUNTERS_BAD = ("ringbuf_drops", "handler_errors", "enforce_errors")   # shown red when non-zero
+_COUNTERS_HIDDEN = ("exit_latency_",)   # prefixes of a histogram's parts, not shown
 
 
 def render_counters(counters: Mapping[str, int]) -> Text:
     """The well-known counters always (when present), the others only when non-zero."""
     keys = [k for k in _COUNTER_ORDER if k in counters]
     keys += sorted(k for k, v in counters.items() if k not in keys and v
-                   and not k.startswith("exit_latency_"))
+                   and not k.startswith(_COUNTERS_HIDDEN))
     t = Text()
     t.append("counters: ", style="bold")
     for i, k in enumerate(keys):
-        bad = counters[k] and k in ("ringbuf_drops", "handler_errors", "enforce_errors")
+        bad = counters[k] and k in _COUNTERS_BAD
         t.append(("  " if i else "") + f"{k} ")
         t.append(str(counters[k]), style="red" if bad else "")
     return t

@@ -8,6 +8,8 @@ known here, so a renamed counter cannot silently vanish from a display.
 """
 from __future__ import annotations
 
+import collections
+
 from . import abi, slots
 
 # Counted by the controller's components (one Counter, Daemon.counters).
@@ -51,3 +53,20 @@ def known(name: str) -> bool:
     return (name in DAEMON_COUNTERS or name in slots.STAT_NAMES
             or name in abi.STAT_NAMES.values()
             or name.startswith(DAEMON_COUNTER_PREFIXES))
+
+
+class Counters(collections.Counter):
+    """The daemon's counters: a Counter that refuses a name no producer
+    declares (KeyError), so a misspelt or undeclared counter fails where it is
+    counted instead of silently vanishing from displays and the exporter."""
+
+    def __missing__(self, name: str) -> int:
+        if not known(name):
+            raise KeyError(f"undeclared counter {name!r} (hami_bpf/counters.py)")
+        return 0
+
+    def __setitem__(self, name: str, value: int) -> None:
+        # A name already present was checked when it was first set.
+        if name not in self and not known(name):
+            raise KeyError(f"undeclared counter {name!r} (hami_bpf/counters.py)")
+        super().__setitem__(name, value)

@@ -9,7 +9,6 @@ names the component that handles each event kind.
 """
 from __future__ import annotations
 
-import collections
 import logging
 import math
 import os
@@ -18,6 +17,7 @@ import time
 
 from . import abi, containers, enforce, kept, signals
 from .devices import Devices, Fallback
+from .counters import Counters
 from .eventlog import EventLog
 from .grouplimits import DEFAULT_CONTEXT_BYTES, GroupLimits
 from .heartbeat import Heartbeat
@@ -43,7 +43,7 @@ PERIODIC = (("reap", 1.0),         # lost exit events repaired from /proc
 class Daemon:
     def __init__(self, cfg):
         self.cfg = cfg
-        self.counters: collections.Counter[str] = collections.Counter()
+        self.counters = Counters()    # only names declared in counters.py
         self.mechanisms: dict[str, str] = {}
         self.log = EventLog()
         self.record = self.log.record

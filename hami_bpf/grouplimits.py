@@ -42,8 +42,7 @@ class GroupLimits:
         changed = self.sm.set_sched(group, prio, upol)
         if changed:
             prio, upol = changed
-            self._record("limit", f"group {group!r}: priority {prio}, utilization policy {upol}",
-                         group=group, priority=prio, utilization_policy=upol)
+            self._record("limit", "sched", group=group, priority=prio, utilization_policy=upol)
         current = table.limits(group)
         for dev in range(devices.count):
             vis = physical_to_visible(dev, cvd, devices.uuid_to_index) if cvd is not None else dev
@@ -58,8 +57,7 @@ class GroupLimits:
             if new != old:
                 table.apply(GroupLimitSet(group, dev, new))
                 self.sync(group, dev)
-                self._record("limit", f"group {group!r} device {dev}: limit {new} bytes",
-                             group=group, device=dev, limit=new)
+                self._record("limit", "memory", group=group, device=dev, limit=new)
 
     def recompute(self, group: str) -> None:
         """Work the group's limits out again from the policy and its members
@@ -80,8 +78,7 @@ class GroupLimits:
             if limits.get(dev) != old_limits.get(dev):
                 self.sync(group, dev)
                 if limits.get(dev) is None:
-                    self._record("limit", f"group {group!r} device {dev}: no memory limit",
-                                 group=group, device=dev, limit=None)
+                    self._record("limit", "memory", group=group, device=dev, limit=None)
         self.sm.caps_reread(group, g.index, old_caps)
 
     def recompute_all(self) -> None:

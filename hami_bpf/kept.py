@@ -183,13 +183,13 @@ def predecessor_version(state_dir: str) -> str | None:
 
 
 def wait_for_predecessor(state_dir: str, timeout: float = PREDECESSOR_WAIT_S,
-                         said: Callable[[str], None] | None = None) -> list[int]:
+                         said: Callable[[list[int]], None] | None = None) -> list[int]:
     """Wait until the previous daemon's processes (and so their probes) are
-    gone. Returns the pids still there after ``timeout``."""
+    gone. Returns the pids still there after ``timeout``. ``said``: given the
+    pids waited for, once, when there are any."""
     waiting = [(p, s) for p, s in predecessors(state_dir) if _alive(p, s)]
     if waiting and said:
-        said("waiting for the previous daemon's probes to close (pid "
-             + ", ".join(str(p) for p, _ in waiting) + ")")
+        said([p for p, _ in waiting])
     deadline = time.monotonic() + timeout
     while waiting and time.monotonic() < deadline:
         time.sleep(0.05)

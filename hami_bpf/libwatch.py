@@ -105,7 +105,7 @@ def lock_file(st: os.stat_result) -> tuple[int | None, str]:
 
 
 class LibraryWatcher:
-    """`probes()`: the loaded programs. `record(kind, message, **data)`: the
+    """`probes()`: the loaded programs. `record(kind, what, **data)`: the
     event log. `register(pid)`: register a user found with cuInit behind it.
     `is_registered(pid)`, `registered()`: the process table's view.
     `stop_rewrite()`: whether denials stop and rewrite (entries are checked
@@ -250,8 +250,8 @@ class LibraryWatcher:
                 self._verify[(pid, ref.key)] = time.monotonic() + LIB_VERIFY_S
         except Exception as err:  # noqa: BLE001 - the process must be resumed whatever happened
             self._counters["handler_errors"] += 1
-            self._record("error", f"pid {pid}: probing the driver library it opened: "
-                        f"{type(err).__name__}: {err}", pid=pid)
+            self._record("error", "lib_probe_failed", pid=pid,
+                         error=f"{type(err).__name__}: {err}")
         finally:
             enforce.resume(pid)
 
@@ -303,21 +303,21 @@ class LibraryWatcher:
         if self._stop_rewrite():
             for s, (ok, why) in self.entry_ok[path].items():
                 if not ok:
-                    self._record("fallback", f"stop-rewrite refused for {s} in {ref}: {why}; a "
-                                "denied call there is let through and counted", symbol=s)
+                    self._record("fallback", "stop_rewrite_refused", symbol=s, lib=str(ref),
+                                 reason=why)
         self.fds[ref.key] = (fd, path)
         self._locks[ref.key] = lock
         self._keys[path] = ref.key
         self.libs.append(Path(path))
-        self._record("probes", f"attached {len(a.core)} probes to {ref}, mapped by pid {ref.pid} "
-                    f"(through {path})", pid=ref.pid, lib=ref.path)
+        self._record("probes", "attached", pid=ref.pid, lib=ref.path, lib_ref=str(ref),
+                     probes=len(a.core), through=path)
         return True
 
     def _refuse(self, ref: containers.LibRef, why: str, kind: str = "error") -> bool:
         self.track.forget(ref.key)
         self._refused[ref.key] = time.monotonic() + LIB_RETRY_S
-        self._record(kind, f"not attaching to {ref}, mapped by pid {ref.pid}: {why}", pid=ref.pid,
-                    lib=ref.path)
+        self._record(kind, "not_attached", pid=ref.pid, lib=ref.path, lib_ref=str(ref),
+                     reason=why)
         return False
 
     def _verify_users(self, now: float) -> None:
@@ -369,6 +369,6 @@ class LibraryWatcher:
                 os.close(fd)
                 self._detaching.discard(key)
             self._probes().detach_core(path, then=_done)
-            self._record("probes", f"detaching from {ref}: no process used it for "
-                        f"{self.grace_s:g} s", lib=ref.path)
+            self._record("probes", "detaching", lib=ref.path, lib_ref=str(ref),
+                         idle_s=self.grace_s)
 

@@ -45,7 +45,7 @@ class MemoryEnforcer:
     `group_used(group_index, device)`: bytes the kernel charged to the group.
     `context_reserve(group, device)`: bytes reserved for contexts there.
     `stopped()`: the set of processes on record as stopped by us (enforce).
-    `record(kind, message, **data)`: the event log. `counters`: the daemon's."""
+    `record(kind, what, **data)`: the event log. `counters`: the daemon's."""
 
     def __init__(self, *, place: Callable[[int, int], Place | None],
                  group_used: Callable[[int, int], int],
@@ -106,25 +106,21 @@ class MemoryEnforcer:
                 return
             self._answer(e, what, group, limit)
         elif act == abi.ACT_KILL:
-            self._record("deny", f"{what}: killed (SIGKILL)", pid=pid, group=group,
-                         device=e.device, size=e.size, limit=limit, action="kill")
+            self._record("deny", "killed", **what, action="kill")
         elif act == abi.ACT_RETURN_OOM:
-            self._record("deny", f"{what}: returned CUDA_ERROR_OUT_OF_MEMORY in the kernel",
-                         pid=pid, group=group, device=e.device, size=e.size, limit=limit,
-                         action="return-oom")
+            self._record("deny", "oom_in_kernel", **what, action="return-oom")
         else:
             self._counters["would_deny"] += 1
             why = "controller stale" if act == abi.ACT_NONE_STALE else "observe only"
-            self._record("deny", f"{what}: allowed ({why})", pid=pid, group=group,
-                         device=e.device, size=e.size, limit=limit,
+            self._record("deny", "allowed", **what, reason=why,
                          action=abi.ACTION_NAMES.get(act, str(act)))
 
     def answer_due(self, now: float) -> None:
         """Answer the paced denials that are due (every one with now=inf)."""
         while self._queue and self._queue[0][0] <= now:
             _, _, e = heapq.heappop(self._queue)
-            what, group, limit = self._what(e)
-            self._answer(e, what + " (paced)", group, limit)
+            what, group, limit = self._what(e, paced=True)
+            self._answer(e, what, group, limit)
             if not any(x[2].tgid == e.tgid for x in self._queue):
                 self._due_of.pop(e.tgid, None)
 
@@ -172,7 +168,7 @@ class MemoryEnforcer:
             self._counters["meminfo_rewrites"] += 1
             return  # write_meminfo resumed it
         except (enforce.EnforceError, PtraceError, OSError) as err:
-            self._record("error", f"rewriting memory info of pid {pid}: {err}", pid=pid)
+            self._record("error", "meminfo_failed", pid=pid, error=str(err))
         except BaseException:
             enforce.resume(pid)
             raise
@@ -180,28 +176,28 @@ class MemoryEnforcer:
 
     # -- inside ------------------------------------------------------------------
 
-    def _what(self, e: abi.Event) -> tuple[str, str, int | None]:
+    def _what(self, e: abi.Event, paced: bool = False) -> tuple[dict, str, int | None]:
+        """(the denial's payload, its group, its limit); ``paced``: answered late."""
         where = self._place(e.tgid, e.device)
         group = where.group if where else "?"
         limit = where.limit if where else None
-        return (f"denied pid {e.tgid} group {group!r} device {e.device}: request {e.size} bytes "
-                f"over limit {limit} bytes"), group, limit
+        return dict(pid=e.tgid, group=group, device=e.device, size=e.size, limit=limit,
+                    paced=paced), group, limit
 
-    def _answer(self, e: abi.Event, what: str, group: str, limit: int | None) -> None:
+    def _answer(self, e: abi.Event, what: dict, group: str, limit: int | None) -> None:
         """Make a call the probe stopped return CUDA_ERROR_OUT_OF_MEMORY."""
         pid = e.tgid
         try:
             took = enforce.fail_call(pid, e.tid, e.ptr, stopped=self._stopped())
-            self._record("deny", f"{what}: returned CUDA_ERROR_OUT_OF_MEMORY "
-                         f"({took * 1e3:.2f} ms)", pid=pid, group=group, device=e.device,
-                         size=e.size, limit=limit, action="stop-rewrite")
+            self._record("deny", "oom_rewritten", **what, action="stop-rewrite",
+                         took_ms=round(took * 1e3, 3))
         except enforce.EnforceRefused as err:
             self._counters["enforce_refused"] += 1
-            self._record("fallback", f"{what}: stop-rewrite refused ({err.reason}); call let "
-                         "through", pid=pid, action="let-through")
+            self._record("fallback", "let_through", **what, action="let-through",
+                         reason=err.reason)
         except enforce.EnforceError as err:
             self._counters["enforce_errors"] += 1
-            self._record("error", f"{what}: stop-rewrite failed: {err}", pid=pid)
+            self._record("error", "stop_rewrite_failed", **what, error=str(err))
         except BaseException:
             enforce.resume(pid)
             raise

@@ -94,7 +94,7 @@ class PolicyFile:
         under the previous policy, until the thread has a result, which it
         asks the loop to apply (the loop calls this again)."""
         if not self.path:
-            self._record("config", "SIGHUP: no --policy to reload")
+            self._record("config", "no_policy")
             return
         job = self._job
         if job is not None and job.is_alive():
@@ -120,12 +120,12 @@ class PolicyFile:
         new, err = self._result or (None, DaemonError("--policy: not read"))
         self._result = None
         if err is not None:
-            self._record("error", f"reloading policy: {err}; the previous policy stays in force")
+            self._record("error", "policy_failed", error=str(err))
         else:
             self.current = new
             self._counters["policy_reloads"] += 1
             self.applied()
-            self._record("config", f"policy {self.path} reloaded", policy=str(self.path))
+            self._record("config", "policy_reloaded", policy=str(self.path))
         if self._again:
             self.reload()
 

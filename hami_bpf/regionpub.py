@@ -53,7 +53,7 @@ class RegionPublisher:
         def err(path: str, what: str) -> None:
             if path not in s["errors"]:
                 s["errors"].add(path)
-                self.record("error", f"--hami-regions: {what}", path=path)
+                self.record("error", "region_failed", path=path, error=what)
 
         def remove(group: str) -> None:
             d, f, made = s["files"].pop(group)

@@ -88,7 +88,7 @@ class ProcessRegistry:
         if len(c.problems) > len(shown):
             shown.append(f"{len(c.problems) - len(shown)} more malformed variables")
         for msg in shown:
-            self._record("config", f"pid {pid}: {msg} (ignored)", pid=pid)
+            self._record("config", "env_ignored", pid=pid, problem=msg)
         group = c.group
         key = ProcKey(pid, st if st is not None else 0)
         self.info[pid] = ProcInfo(c.env, c.phys, c.ns_pid, labels=c.labels, cvd=c.cvd)
@@ -100,20 +100,18 @@ class ProcessRegistry:
             return
         if existing:
             self._probes().ensure_proc(pid)
-        self._record("register", f"pid {pid} ({view.comm}) registered in group {group!r} "
-                     f"slot {view.slot}", pid=pid, group=group, slot=view.slot)
+        self._record("register", "registered", pid=pid, comm=view.comm, group=group,
+                     slot=view.slot)
         if c.failed:
             self.counters["classify_failures"] += 1
-            self._record("error", f"pid {pid}: classifying it failed ({'; '.join(c.reasons)}); "
-                         f"tracked in group {group!r} with the policy's limits only",
-                         pid=pid, group=group, classify_failed=list(c.failed))
+            self._record("error", "classify_failed", pid=pid, group=group,
+                         classify_failed=list(c.failed), reasons=list(c.reasons))
         try:
             self.limits.apply(view.group, view.group_index, pid, c.cvd)
         except Exception as e:  # noqa: BLE001 - fall back to the policy alone, never to nothing
             self.counters["classify_failures"] += 1
-            self._record("error", f"pid {pid}: applying its limits failed ({type(e).__name__}: "
-                         f"{clipped(str(e))}); the policy's limits apply", pid=pid, group=group,
-                         classify_failed=["limits"])
+            self._record("error", "limits_failed", pid=pid, group=group,
+                         classify_failed=["limits"], error=f"{type(e).__name__}: {clipped(str(e))}")
             info = self.info.get(pid)
             if info is not None:
                 info.env, info.cvd = None, None
@@ -166,10 +164,7 @@ class ProcessRegistry:
         if first_use and self.limits.ctx_bytes:
             self.limits.sync(before.group, e.device)
         if e.flags & abi.F_DENIED:
-            self._record("deny_ignored", f"pid {pid}: a refused allocation of {e.size} bytes on "
-                         f"device {e.device} returned success (resumed before its answer, or "
-                         "the kernel did not take the refusal); charged to its group",
-                         pid=pid, group=before.group if before else None, device=e.device,
+            self._record("deny_ignored", "charged", pid=pid, group=before.group if before else None, device=e.device,
                          size=e.size)
 
     def alloc_failed(self, e: abi.Event) -> None:
@@ -199,8 +194,7 @@ class ProcessRegistry:
         if view is None:
             return
         self.counters["execs"] += 1
-        self._record("exec", f"pid {pid} ({view.comm}) replaced its image: released from group "
-                     f"{view.group!r}", pid=pid, group=view.group)
+        self._record("exec", "replaced", pid=pid, comm=view.comm, group=view.group)
         self.act(self.table.apply(ProcessExited(pid, None, ts_ns)))
         self._watch().release(pid)
 
@@ -241,9 +235,7 @@ class ProcessRegistry:
             self.table.apply(UsageObserved(p.key.pid, k, p.key.start_time))
             self.counters["usage_corrections"] += 1
             self.dirty = True
-            self._record("reconcile", f"pid {p.key.pid}: usage {dict(p.used)} corrected to {k} "
-                         "from the kernel's counters (an allocation or free event was lost)",
-                         pid=p.key.pid, group=p.group,
+            self._record("reconcile", "corrected", pid=p.key.pid, group=p.group,
                          before={str(d): b for d, b in p.used.items()},
                          after={str(d): b for d, b in k.items()})
         self._mismatch = now
@@ -268,10 +260,7 @@ class ProcessRegistry:
             elif isinstance(a, Compacted):
                 moves = [{"pid": k.pid, "from": f, "to": t} for k, f, t in a.moves]
                 self.counters["compactions"] += 1
-                self._record("compact", f"group {a.group!r}: pid {a.removed.pid} left; " +
-                             (", ".join(f"pid {m['pid']} slot {m['from']}->{m['to']}"
-                                        for m in moves) or "no move needed"),
-                             group=a.group, removed=a.removed.pid, moves=moves)
+                self._record("compact", "compacted", group=a.group, removed=a.removed.pid, moves=moves)
             elif isinstance(a, (CreateGroup, ClearSlot)):
                 pass
         for group, devs in after_release:
@@ -293,4 +282,4 @@ class ProcessRegistry:
         self.sm.forget_group(name, index)
         if self.regions:
             self.regions.gone(name)
-        self._record("group", f"group {name!r} is empty: deleted", group=name)
+        self._record("group", "deleted", group=name)

@@ -154,8 +154,7 @@ class SmControl:
             # Count only from now on; a learned budget would be stale anyway.
             self._forget_budget((index, dev))
             self.probes.delete_sm_grant(index, dev)
-            self.record("limit", f"group {group!r} device {dev}: no SM cap", group=group,
-                        device=dev, sm=None)
+            self.record("limit", "sm_cap", group=group, device=dev, sm=None)
         if group in self.throttled and not caps:
             self._resume_group(group)
 
@@ -225,8 +224,7 @@ class SmControl:
         log.exception("SM pacing failed; holds released")
         for group in list(self.throttled):
             self._resume_group(group)
-        self.record("error", f"SM pacing failed ({type(e).__name__}: {e}); every hold released",
-                    error=type(e).__name__)
+        self.record("error", "sm_failed", error=type(e).__name__, detail=str(e))
     def _sched(self, group: str) -> tuple[int, str]:
         """(priority, utilization policy) of a group; HAMi's defaults if unset."""
         return self.sched.get(group, (HAMI_DEFAULT_PRIORITY, "default"))
@@ -238,16 +236,14 @@ class SmControl:
         if not self.cfg.sm_limits:
             if group not in self._sm_unenforced:
                 self._sm_unenforced.add(group)
-                self.record("config", f"group {group!r} asks for an SM cap of {sm}%: not enforced "
-                            "(the daemon runs with --no-sm-limits)", group=group, sm=sm)
+                self.record("config", "sm_unenforced", group=group, sm=sm)
             return
         caps = self.sm_caps.setdefault(group, {})
         old = caps.get(dev)
         if old is not None and old <= sm:
             return
         caps[dev] = sm
-        self.record("limit", f"group {group!r} device {dev}: SM cap {sm}%", group=group,
-                    device=dev, sm=sm)
+        self.record("limit", "sm_cap", group=group, device=dev, sm=sm)
         self.sync_launch_probes()
 
     def sync_launch_probes(self) -> None:
@@ -259,11 +255,11 @@ class SmControl:
             from . import libcuda
             for lib in self.libs:
                 self.probes.attach_launch(str(lib), libcuda.cuda_symbols(lib))
-            self.record("probes", f"launch probes attached ({self.probes.launch_probes_attached()})")
+            self.record("probes", "launch_attached", probes=self.probes.launch_probes_attached())
         elif have and not want:
             for lib in self.libs:
                 self.probes.detach_launch(str(lib))
-            self.record("probes", "launch probes detached: no SM cap left")
+            self.record("probes", "launch_detached")
         self.mechanisms["launch"] = ("throttling uprobes" if self.sm_caps else
                                      "counting uprobes" if self.cfg.count_launches else "off")
 
@@ -348,14 +344,11 @@ class SmControl:
                                       completed_at=done_ns / 1e9 if done_ns else None,
                                       device=share.get(key), turn=self.turns.get(key))
                 if was_learning and not b.learning:
-                    self.record("throttle", f"group {group!r} device {dev}: cap {cap}% of a "
-                                f"learned full rate of {b.full_rate:.4g} units/s (pace "
-                                f"{b.pace:.4g}/s{', contended' if b.contended else ''}"
-                                f"{', launcher-bound' if b.launcher_bound else ''}"
-                                f"{f', host-bound: +{b.probe_share:.1%} for the probe' if b.probe_share else ''}"
-                                f"{', from completions' if b.by_completion else ''})",
-                                group=group, device=dev, full_rate=b.full_rate, pace=b.pace,
+                    self.record("throttle", "learned", group=group, device=dev, cap=cap,
+                                full_rate=b.full_rate, pace=b.pace,
                                 work_per_unit=b.work_per_unit, contended=b.contended,
+                                launcher_bound=b.launcher_bound, probe_share=b.probe_share,
+                                by_completion=b.by_completion,
                                 # launched, not known done: runs at the GPU's
                                 # full pace whatever the grant (checkpoints)
                                 queued=consumed - (completed or 0))
@@ -368,10 +361,8 @@ class SmControl:
                         granted = max(granted, consumed + UNLIMITED)
                     if held == (key in self.lending):
                         (self.lending.discard if held else self.lending.add)(key)
-                        self.record("throttle", f"group {group!r} device {dev}: "
-                                    + ("held to its cap again" if held else
-                                       "may use what is idle (no busy group of higher or equal "
-                                       "priority)"), group=group, device=dev, lending=not held)
+                        self.record("throttle", "lending", group=group, device=dev,
+                                    lending=not held)
                 if b.learning and learning and group not in self.throttled:
                     self.guard.reference(key, util.get(dev), now)
                 if not b.learning and key not in self.turns and key not in self.lending \
@@ -431,10 +422,8 @@ class SmControl:
             return
         correct_rate(b, c.gain)
         self.counters[f"sm_corrections_{c.reason.value}"] += 1
-        self.record("throttle", f"group {group!r} device {key[1]}: device {c.util:.0f}% busy where "
-                    f"its cap of {c.cap:g}% allows {c.target:.0f}%, while the launch budget held "
-                    f"it: rate x{c.gain:.3g} ({c.reason.value}, from {c.source.value})",
-                    group=group, device=key[1], sm_correction=c.reason.value,
+        self.record("throttle", "corrected", group=group, device=key[1],
+                    sm_correction=c.reason.value,
                     gain=round(c.gain, 4), util=round(c.util, 1), target=round(c.target, 1),
                     cap=c.cap, source=c.source.value, rate=b.rate)
 
@@ -463,10 +452,7 @@ class SmControl:
             if mode is duty.Mode.DUTY:
                 self._forget_budget(key)
                 self.turntable.forget(key)
-            self.record("throttle", f"group {name!r} device {key[1]}: paced by "
-                        + ("time, held at its synchronizes" if mode is duty.Mode.DUTY
-                           else "its launch budget (it synchronizes rarely)"),
-                        group=name, device=key[1], sm_mode=mode.value)
+            self.record("throttle", "mode", group=name, device=key[1], sm_mode=mode.value)
         for key, kd in d.keys.items():
             if kd.mode is not duty.Mode.DUTY:
                 continue
@@ -540,7 +526,7 @@ class SmControl:
         names = self._group_names()
 
         def said(keys):
-            return ", ".join(repr(names.get(k[0], k[0])) for k in sorted(keys))
+            return [names.get(k[0], str(k[0])) for k in sorted(keys)]
 
         for dev in sorted(set(self._alone_said) | set(new)):
             # Only holds of groups that launched here are news.
@@ -549,16 +535,15 @@ class SmControl:
             h1 = frozenset(k for k in h1 if launched(k))
             if l0 is not None and (l0 != l1 or not h1):
                 lb = self.budgets.get(l0)
-                how = ("learned its rate" if lb is not None and not lb.learning else
-                       f"not learned in {LEARN_ALONE_S:g} s (it learns beside them)"
+                how = ("learned" if lb is not None and not lb.learning else "not_learned"
                        if lb is not None and now - (lb.alone_since or now) > LEARN_ALONE_S
-                       else "stopped launching")
-                self.record("throttle", f"group {names.get(l0[0], l0[0])!r} device {dev}: {how}; "
-                            f"{said(h0)} released", group=names.get(l0[0]), device=dev, alone=False)
+                       else "stopped")
+                self.record("throttle", "alone_done", group=names.get(l0[0]),
+                            group_index=l0[0], device=dev, alone=False, outcome=how, learn_s=LEARN_ALONE_S,
+                            released=said(h0))
             if l1 is not None and h1 and (l1 != l0 or h1 - h0):
-                self.record("throttle", f"group {names.get(l1[0], l1[0])!r} learns its rate on "
-                            f"device {dev} alone: {said(h1)} held (at most {LEARN_ALONE_S:g} s)",
-                            group=names.get(l1[0]), device=dev, alone=True,
+                self.record("throttle", "alone_learning", group=names.get(l1[0]),
+                            group_index=l1[0], device=dev, alone=True, learn_s=LEARN_ALONE_S,
                             held=sorted(names.get(k[0], str(k[0])) for k in h1))
             if l1 is not None and h1:
                 self._alone_said[dev] = (l1, h1 | (h0 if l1 == l0 else frozenset()))

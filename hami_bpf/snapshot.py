@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping
 
+from .eventtext import render as render_event
+
 SCHEMA_VERSION = 1
 
 PROCESS_STATES = ("running", "throttled", "stopped")
@@ -213,9 +215,9 @@ class DeviceInfo:
 @dataclass(frozen=True)
 class EventRecord:
     ts: float                     # time.time()
-    kind: str                     # "register", "exit", "compact", "deny", ...
-    message: str                  # one human line
-    data: Mapping                 # kind-specific, JSON-able (e.g. compaction moves)
+    kind: str                     # "register", "compact", "deny", ... (eventtext.Kind)
+    what: str                     # its type within the kind (eventtext.TYPES)
+    data: Mapping                 # the type's payload, JSON-able (e.g. compaction moves)
     # Monotonic sequence number assigned by the controller, starting at 1.
     # The "events" op returns records with seq > since, so followers resume
     # exactly where they left off even when the log drops old records.
@@ -224,13 +226,19 @@ class EventRecord:
     def __post_init__(self) -> None:
         _set(self, "data", _freeze(self.data or {}))
 
+    @property
+    def message(self) -> str:
+        """One human line, rendered from the payload (never raises)."""
+        return render_event(self.kind, self.what, _thaw(self.data))
+
     def to_json(self) -> dict:
         return {"version": SCHEMA_VERSION, "seq": self.seq, "ts": self.ts, "kind": self.kind,
-                "message": self.message, "data": _thaw(self.data)}
+                "what": self.what, "message": self.message, "data": _thaw(self.data)}
 
     @classmethod
     def from_json(cls, d: Mapping) -> "EventRecord":
-        return cls(ts=float(d["ts"]), kind=str(d["kind"]), message=str(d.get("message", "")),
+        # "message" is the sender's rendering; the reader renders its own.
+        return cls(ts=float(d["ts"]), kind=str(d["kind"]), what=str(d.get("what", "")),
                    data=d.get("data") or {}, seq=int(d.get("seq", 0)))
 
 

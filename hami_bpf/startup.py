@@ -88,9 +88,7 @@ class Startup:
             self.mechanisms["control_priority"] = f"nice {os.getpriority(os.PRIO_PROCESS, 0)}"
         except OSError as e:
             self.mechanisms["control_priority"] = f"nice {os.getpriority(os.PRIO_PROCESS, 0)}"
-            self._record("config", f"could not raise the daemon's CPU priority to nice "
-                         f"{CONTROL_NICE} ({e}): holds may outlast their time on a busy node",
-                         nice=CONTROL_NICE)
+            self._record("config", "nice", nice=CONTROL_NICE, error=str(e))
 
     def choose_libs(self) -> tuple[list[Path], object | None]:
         """(libraries to probe, the stand-in libcuda built for the demo or None)."""
@@ -156,9 +154,8 @@ class Startup:
         """The stopped-process record cannot be written (a full or read-only
         state directory): said once; limits and stops go on as before."""
         self.counters["state_write_errors"] += 1
-        self._record("error", f"state directory: {what}; stopped processes are recorded in "
-                     "memory only until writing works again (limits still apply)",
-                     path=self.cfg.state_dir, errno=err, state_write_failed=True)
+        self._record("error", "state_write_failed", path=self.cfg.state_dir, errno=err,
+                     state_write_failed=True, detail=what)
 
     def stopped_set(self) -> enforce.StoppedSet:
         """The record of processes we stop; what a crashed run left is said."""
@@ -166,7 +163,7 @@ class Startup:
         os.makedirs(cfg.state_dir, mode=0o700, exist_ok=True)
         # A previous run that crashed may have left processes stopped.
         for pid, what in enforce.StoppedSet.recover(cfg.state_dir).items():
-            self._record("recover", f"pid {pid} left stopped by a previous run: {what}", pid=pid)
+            self._record("recover", "left_stopped", pid=pid, stop=what)
         stopped = enforce.StoppedSet(cfg.state_dir)
         stopped.on_error = self.state_write_failed
         return stopped
@@ -188,13 +185,11 @@ class Startup:
             raise DaemonError(str(e)) from None
         except probes.ProbeError as e:
             self.mechanisms["state"] = f"in this process only ({e})"
-            self._record("fallback", f"keeping the accounting across restarts: {e}; a restart "
-                         "will start from zero", pin_dir=cfg.pin_dir)
+            self._record("fallback", "state_in_process", pin_dir=cfg.pin_dir, error=str(e))
             return None
         self.mechanisms["state"] = f"kept in {path}"
         if cfg.fresh:
-            self._record("state", f"--fresh: kept state under {cfg.pin_dir} discarded",
-                         pin_dir=cfg.pin_dir)
+            self._record("state", "fresh", pin_dir=cfg.pin_dir)
         return path
 
     def wait_for_predecessor(self) -> None:
@@ -203,7 +198,7 @@ class Startup:
         cfg = self.cfg
         self.previous_version = kept.predecessor_version(cfg.state_dir)
         left = kept.wait_for_predecessor(cfg.state_dir,
-                                         said=lambda m: self._record("state", m))
+                                         said=lambda pids: self._record("state", "waiting", pids=pids))
         if left:
             raise DaemonError(f"the previous daemon (pid {', '.join(map(str, left))}) still has its "
                               f"probes attached after {kept.PREDECESSOR_WAIT_S:.0f} s: adopting its "
@@ -231,8 +226,7 @@ class Startup:
         # probed before the process can map it.
         if gate_missing is None and not probes.open_gate:
             gate_missing = f"the kernel refused its programs: {probes.open_gate_error}"
-            self._record("fallback", f"the open gate: {gate_missing}; private libcuda copies are "
-                         "found by scanning /proc")
+            self._record("fallback", "open_gate", reason=gate_missing)
         if gate_missing is None:
             flags |= abi.CFG_GATE_LIBS
             self.mechanisms["private_libs"] = "held at open until probed"
@@ -278,10 +272,7 @@ class Startup:
             probes.delete_group(idx)
         self.counters["adopted_processes"] += len(a.live)
         self.counters["adopted_exited"] += len(a.dead)
-        self._record("adopt", f"adopted {len(a.live)} processes holding {a.bytes_adopted} bytes "
-                     f"from the kept maps; {len(a.dead)} exited meanwhile ({a.bytes_released} "
-                     f"bytes back to their groups), {len(a.reservations)} reservations given back, "
-                     f"{moved} moved to another group", adopted=len(a.live),
+        self._record("adopt", "adopted", adopted=len(a.live),
                      adopted_bytes=a.bytes_adopted, exited=len(a.dead),
                      released_bytes=a.bytes_released, reservations=len(a.reservations),
                      moved=moved, threads_forgotten=threads, version=__version__,
@@ -308,8 +299,8 @@ class Startup:
             if oom_action == abi.ACT_STOP_REWRITE:
                 for s, (ok, why) in watch.entry_ok[str(lib)].items():
                     if not ok:
-                        self._record("fallback", f"stop-rewrite refused for {s}: {why}; a denied "
-                                     "call there is let through and counted", symbol=s)
+                        self._record("fallback", "stop_rewrite_refused", symbol=s,
+                                     lib=str(lib), reason=why)
             nvml = find_libnvml(lib)
             if nvml is not None:
                 got = probes_.attach_nvml(str(nvml), libcuda.read_symbols(nvml))
@@ -333,8 +324,7 @@ class Startup:
             return cost
         except Exception as e:  # noqa: BLE001 - the controller works without it
             self.mechanisms["launch_probe_cost"] = f"unknown ({e})"
-            self._record("fallback", f"measuring the launch probe's cost on {lib}: {e}; "
-                         "host-bound launchers will run a little under their caps")
+            self._record("fallback", "probe_cost", lib=str(lib), error=str(e))
             return 0.0
 
     def recover_bpf_stops(self, libs: list[Path], watch, stopped) -> None:
@@ -363,16 +353,13 @@ class Startup:
                         continue
                     if sym == "cuInit" or sym in probes.LAUNCH_PROBES:
                         enforce.resume(pid)
-                        self._record("recover", f"pid {pid}: released from a hold at {sym} left "
-                                     "by a previous run", pid=pid, symbol=sym)
+                        self._record("recover", "hold_released", pid=pid, symbol=sym)
                         continue
                     try:
                         enforce.fail_call(pid, tid, pc - 1, stopped=stopped)
-                        self._record("recover", f"pid {pid}: {sym} denied by a previous run: "
-                                     "returned CUDA_ERROR_OUT_OF_MEMORY", pid=pid, symbol=sym)
+                        self._record("recover", "denial_finished", pid=pid, symbol=sym)
                     except enforce.EnforceError as e:
-                        self._record("error", f"pid {pid}: finishing a denial left by a previous "
-                                     f"run: {e}", pid=pid)
+                        self._record("error", "denial_unfinished", pid=pid, error=str(e))
 
     def serve(self, snapshot, events_since):
         """(socket server, metrics server or None), both started."""

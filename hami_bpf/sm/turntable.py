@@ -65,10 +65,8 @@ class TurnTable:
             if mine == sorted(k for k in self.slots if k[1] == dev):
                 continue
             named = names()
-            self.record("throttle", f"device {dev}: " + (
-                "groups " + ", ".join(f"{named.get(k[0], k[0])!r} ({new[k].length:.0%})" for k in mine)
-                + f" take turns every {self.period_s * 1000:g} ms" if mine else "no turns"),
-                device=dev, turns={named.get(k[0], str(k[0])): round(new[k].length, 4) for k in mine})
+            self.record("throttle", "turns", device=dev, period_ms=round(self.period_s * 1000, 3),
+                        turns={named.get(k[0], str(k[0])): round(new[k].length, 4) for k in mine})
             self._read = None     # the utilization of other turns says nothing
             self._util.pop(dev, None)
             self._began[dev] = now
@@ -111,15 +109,9 @@ class TurnTable:
                 named = names()
                 for b, gain in zip(group, gains):
                     scale_rate(b, gain)
-                said = ", ".join(f"{named.get(k[0], k[0])!r} x{gain:.3f}"
-                                 for k, gain in zip(keys, gains) if gain != 1.0)
-                self.record("throttle", f"device {dev}: {both:.1f}% busy in turns that "
-                            f"should fill {busy:.0f}%: " + (
-                                f"rates learned side by side were short, raised: {said}"
-                                if max(gains) > 1.0 else f"raised rates overran their turns, "
-                                f"lowered: {said}"),
-                            device=dev, gains=dict(zip((named.get(k[0], str(k[0])) for k in keys),
-                                                       gains)), util=both)
+                self.record("throttle", "turns_rescaled", device=dev, target=busy,
+                            gains=dict(zip((named.get(k[0], str(k[0])) for k in keys), gains)),
+                            util=both)
             for b in group:
                 b.turn_short_before, b.turn_slots, b.turn_short = b.turn_short, 0, 0
 
@@ -143,6 +135,5 @@ class TurnTable:
             self._low.pop(dev, None)
             self._off[dev] = now + TURNS_OFF_S
             self.counters["sm_corrections_turns_idle"] += 1
-            self.record("throttle", f"device {dev}: {cur:.1f}% busy in turns that should "
-                        f"fill {busy:.0f}%: no turns there for {TURNS_OFF_S:g} s",
-                        device=dev, sm_correction="turns_idle", util=cur, target=busy)
+            self.record("throttle", "turns_idle", device=dev, sm_correction="turns_idle",
+                        util=cur, target=busy, off_s=TURNS_OFF_S)

@@ -166,8 +166,10 @@ class TestEnvLimits:
             # the event log names pid and variable
             evs = events_json(daemon)
             for p in (t, u):
-                assert any(e["kind"] == "config" and str(p.pid) in e["message"]
-                           and "CUDA_DEVICE_MEMORY_LIMIT=12x" in e["message"] for e in evs), \
+                assert any((e["kind"], e["what"]) == ("config", "env_ignored")
+                           and e["data"]["pid"] == p.pid
+                           and "CUDA_DEVICE_MEMORY_LIMIT=12x" in e["data"]["problem"]
+                           for e in evs), \
                     [e["message"] for e in evs if e["kind"] == "config"]
             # policy limit on device 0 still applies (12x did not lift it)
             t.alloc(f"alloc {POLICY_LIM}", 0)
@@ -327,7 +329,7 @@ def test_restart_does_not_resume_foreign_stop(fakecuda, workdir):
             assert proc_state(t.pid) == "T", "the new daemon resumed a process it did not stop"
             # Only this one: a process an earlier test left held at a libcuda
             # entry (it is being killed) is rightly recovered (CI, 2026-11-30).
-            recovered = [e["message"] for e in events_json(b)
+            recovered = [(e["what"], e["data"]) for e in events_json(b)
                          if e["kind"] == "recover" and e["data"].get("pid") == t.pid]
             assert not recovered, recovered
         finally:

@@ -135,17 +135,18 @@ def test_on_a_gpu_that_loses_work_when_shared_two_groups_take_turns(tmp_path, si
         events = [e for e in query(d.socket, "events", since=0)["events"] if e["kind"] == "throttle"]
         said = [e["message"] for e in events]
         print("shares", got, *said, sep="\n")
-        assert any(f"take turns every {100 if alone else 200} ms" in m for m in said), said
+        assert any(e["what"] == "turns" and e["data"]["turns"]
+                   and e["data"]["period_ms"] == (100 if alone else 200) for e in events), said
         rates = [e["data"]["full_rate"] for e in events if "full_rate" in e["data"]]
         assert len(rates) == 2, said
         if alone:
-            assert sum("alone" in m for m in said) == 2, said
+            assert sum(e["what"] == "alone_learning" for e in events) == 2, said
             # Each learned what the GPU does for it alone: 1000 launches/s.
             assert all(r >= 0.95 * FULL * 1000 for r in rates), said
-            assert not any("raised" in m for m in said), said
+            assert not any(e["what"] == "turns_rescaled" for e in events), said
         else:
-            assert not any("alone" in m for m in said), said
-            assert any("raised" in m for m in said), said
+            assert not any(e["what"] == "alone_learning" for e in events), said
+            assert any(e["what"] == "turns_rescaled" for e in events), said
         assert len(got) == 2
         # Taking turns, the pair does more than the ~90% that sharing leaves
         # (TURN_FILL of the GPU learning alone; raised, TURN_HEADROOM less).
@@ -182,8 +183,9 @@ def test_lending_low_priority_runs_free_until_high_priority_is_busy(tmp_path, si
         states = [s[0] for s in Sampled(low, "bench launch 1000 6 2000").sample_until_done()]
         busy.sample_until_done()
         assert "T" in states, f"never held while high priority was busy\n{d.log()[-2000:]}"
-        events = [e["message"] for e in query(d.socket, "events", since=0)["events"]]
-        assert any("held to its cap again" in m for m in events), events
+        events = query(d.socket, "events", since=0)["events"]
+        assert any((e["kind"], e["what"]) == ("throttle", "lending") and e["data"]["lending"] is False
+                   for e in events), [e["message"] for e in events]
     finally:
         for p in (high, low):
             p.close()
@@ -246,7 +248,7 @@ def test_learning_applies_before_a_deep_queue_refills(tmp_path, sim):
         finally:
             p.close()
         learned = [e["data"] for e in query(d.socket, "events", since=0)["events"]
-                   if "learned" in e["message"]]
+                   if (e["kind"], e["what"]) == ("throttle", "learned")]
         assert learned, d.log()[-2000:]
         assert learned[0]["queued"] <= 3 * 1000, learned[0]
         assert abs(share - 50) <= TOLERANCE, f"cap 50 ran at {share:.1f}%"

@@ -25,7 +25,9 @@ def schema(name):
     return json.loads((SCHEMAS / f"{name}.schema.json").read_text())
 
 
-EVENTS = [EventRecord(1_700_000_000.0 + i, "compact", f"moved {i}", {"moves": [[i, 0]]}, seq=i + 1)
+EVENTS = [EventRecord(1_700_000_000.0 + i, "compact", "compacted",
+                      {"group": "g", "removed": i, "moves": [{"pid": 9, "from": i, "to": 0}]},
+                      seq=i + 1)
           for i in range(3)]
 
 
@@ -246,9 +248,12 @@ def test_events(sock):
     assert len(lines) == 3
     for line in lines:
         jsonschema.validate(json.loads(line), schema("events"))
-    assert json.loads(lines[0])["data"] == {"moves": [[0, 0]]}
+    first = json.loads(lines[0])
+    assert (first["kind"], first["what"]) == ("compact", "compacted")
+    assert first["data"] == {"group": "g", "removed": 0, "moves": [{"pid": 9, "from": 0, "to": 0}]}
     r = invoke("events", "--socket", sock, "--since", "2")
-    assert r.stdout.splitlines() == [r.stdout.splitlines()[0]] and "moved 2" in r.stdout
+    # the line is rendered from the payload, here by the CLI
+    assert r.stdout.splitlines() == [r.stdout.splitlines()[0]] and "pid 2 left" in r.stdout
 
 
 def test_events_follow_stops_on_ctrl_c(sock, monkeypatch):

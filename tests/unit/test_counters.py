@@ -2,6 +2,8 @@
 import re
 from pathlib import Path
 
+import pytest
+
 from cli import render
 from hami_bpf import counters, metrics, snapshot
 
@@ -32,3 +34,42 @@ def test_daemon_counters_are_declared():
 def test_known_rejects_unknown_names():
     assert not counters.known("no_such_counter")
     assert counters.known("bpf_throttles") and counters.known("registered")
+
+
+def test_render_marks_and_hides_only_produced_counters():
+    assert [k for k in render._COUNTERS_BAD if not counters.known(k)] == []
+    assert set(render._COUNTERS_HIDDEN) <= set(counters.DAEMON_COUNTER_PREFIXES)
+
+
+def test_metrics_families_are_produced_counters():
+    assert [k for k in metrics.PROBE_ERROR_KINDS if not counters.known(k)] == []
+    assert {m[1] for m in metrics._SM_LABELLED} <= set(counters.DAEMON_COUNTER_PREFIXES)
+    names = [metrics.EXIT_LATENCY_COUNT, metrics.EXIT_LATENCY_SUM,
+             metrics.EXIT_LATENCY_BUCKET.format(metrics.EXIT_LATENCY_BUCKETS_NS[0])]
+    assert [k for k in names if not counters.known(k)] == []
+    c = counters.Counters()
+    metrics.observe_exit_latency(c, 10 ** 12)      # past every bucket
+    metrics.observe_exit_latency(c, 0)             # in every bucket
+    assert c[metrics.EXIT_LATENCY_COUNT] == 2
+
+
+def test_the_daemons_counters_refuse_undeclared_names():
+    c = counters.Counters()
+    c["events"] += 1
+    c["sm_mode_duty"] += 2                 # a declared family
+    assert c["denials"] == 0 and "denials" not in c
+    with pytest.raises(KeyError):
+        c["no_such_counter"] += 1
+    with pytest.raises(KeyError):
+        c["no_such_counter"]
+    with pytest.raises(KeyError):
+        c.update({"no_such_counter": 1})
+    assert dict(c) == {"events": 1, "sm_mode_duty": 2}
+
+
+def test_the_daemon_counts_into_checked_counters(tmp_path):
+    from hami_bpf.config import DaemonConfig
+    from hami_bpf.daemon import Daemon
+    d = Daemon(DaemonConfig(state_dir=str(tmp_path)))
+    assert isinstance(d.counters, counters.Counters)
+    assert d.sm.counters is d.counters and d.registry.counters is d.counters

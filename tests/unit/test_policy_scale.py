@@ -92,4 +92,5 @@ def test_a_refused_reload_keeps_the_policy(monkeypatch, tmp_path):
     d.policy.wait(10)
     d.policy.reload()
     assert d.policy.current is old
-    assert any(e.kind == "error" and "refused" in e.message for e in d.log)
+    assert any((e.kind, e.what) == ("error", "policy_failed") and "refused" in e.data["error"]
+               for e in d.log)

@@ -21,7 +21,8 @@ def sockdir():
     shutil.rmtree(d, ignore_errors=True)
 
 
-EVENTS = [EventRecord(10.0 + i, "register", f"pid {i}", {"pid": i}, seq=i + 1) for i in range(5)]
+EVENTS = [EventRecord(10.0 + i, "register", "registered",
+                      {"pid": i, "comm": "x", "group": "g", "slot": i}, seq=i + 1) for i in range(5)]
 
 
 def get_events(since):

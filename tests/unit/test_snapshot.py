@@ -40,7 +40,7 @@ def test_immutable():
         snap.processes[0].devices[5] = DeviceUsage(1, None)
     with pytest.raises(TypeError):
         snap.counters["denials"] = 9
-    ev = EventRecord(1.0, "compact", "moved", {"moves": [[2, 0]]})
+    ev = EventRecord(1.0, "compact", "compacted", {"moves": [[2, 0]]})
     assert ev.data["moves"] == ((2, 0),)
     with pytest.raises(TypeError):
         ev.data["x"] = 1
@@ -72,8 +72,11 @@ def test_query_documents_match_schemas():
     p = snap.processes[0]
     jsonschema.validate(usage_json(p, snap.group(p.group)), schema("usage"))
     jsonschema.validate(usage_json(p, None), schema("usage"))
-    ev = EventRecord(1.5, "deny", "pid 1 denied", {"pid": 1, "device": 0}, seq=7)
+    ev = EventRecord(1.5, "deny", "killed", {"pid": 1, "group": "g", "device": 0, "size": 2,
+                                             "limit": 1, "paced": False, "action": "kill"}, seq=7)
     jsonschema.validate(ev.to_json(), schema("events"))
+    assert ev.to_json()["what"] == "killed" and "killed" in ev.to_json()["message"]
+    assert EventRecord.from_json(ev.to_json()) == ev
 
 
 def test_schema_rejects_int_device_keys_shape():

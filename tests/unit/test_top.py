@@ -202,8 +202,8 @@ def test_launch_rates_uncounted_processes_are_left_out():
 # ----------------------------------------------------------------- events
 
 def test_event_format():
-    e = EventRecord(1_700_000_000.25, "compact", "group 'g': pid 5 left; pid 9 slot 2->0",
-                    {"moves": [{"pid": 9, "from": 2, "to": 0}]}, seq=3)
+    e = EventRecord(1_700_000_000.25, "compact", "compacted",
+                    {"group": "g", "removed": 5, "moves": [{"pid": 9, "from": 2, "to": 0}]}, seq=3)
     ts, kind, msg = event_parts(e)
     assert ts.endswith(".250") and len(ts) == 12
     assert kind == "compact "
@@ -213,9 +213,10 @@ def test_event_format():
 def test_events_follow_survives_restart(monkeypatch):
     d = tempfile.mkdtemp(prefix="hb", dir="/tmp")
     path = os.path.join(d, "s.sock")
-    first = [EventRecord(100.0 + i, "register", f"old {i}", {}, seq=i + 1) for i in range(2)]
-    second = [EventRecord(100.0, "register", "old 0", {}, seq=1),  # a replay is not printed
-              EventRecord(200.0, "recover", "new 1", {}, seq=2)]
+    first = [EventRecord(100.0 + i, "group", "deleted", {"group": f"old {i}"}, seq=i + 1)
+             for i in range(2)]
+    second = [EventRecord(100.0, "group", "deleted", {"group": "old 0"}, seq=1),  # a replay is not printed
+              EventRecord(200.0, "state", "fresh", {"pin_dir": "new 1"}, seq=2)]
     box = {"events": first}
     srv = [SnapshotServer(path, example_snapshot,
                           lambda since: [e for e in box["events"] if e.seq > since])]
@@ -243,7 +244,9 @@ def test_events_follow_survives_restart(monkeypatch):
         shutil.rmtree(d, ignore_errors=True)
     assert r.exit_code == 0, r.output
     out = r.stdout.splitlines()
-    assert [ln[24:] for ln in out] == ["old 0", "old 1", "new 1"]
+    assert [ln[24:] for ln in out] == ["group 'old 0' is empty: deleted",
+                                       "group 'old 1' is empty: deleted",
+                                       "--fresh: kept state under new 1 discarded"]
     assert "reconnecting" in r.stderr and "reconnected" in r.stderr
 
 
