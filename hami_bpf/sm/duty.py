@@ -21,6 +21,10 @@ The books, per (group index, device):
 A group is active on a device while it launched or synchronized there within
 ACTIVE_GRACE_S, or one of its threads is inside a synchronize call there (its
 work is on the GPU: a step of long kernels waits longer than the grace).
+A hold counts from the probe's stop, also where its event reaches the
+controller after a step that counted that time as running: the step is
+corrected when the hold is first seen (at cap 25 a millisecond counted as
+running owes three held, so uncorrected the group would run less than its cap).
 Debt has a floor (an idle group banks at most BURST_S of running) and a
 ceiling (MAX_DEBT_S). Once debt reaches QUANTUM_S the group
 is asked to stop at its next synchronize's return (BPF, `hold_at_sync`); if
@@ -139,6 +143,11 @@ class _Key:
     returns: int = 0            # times it went back to the budget for synchronizing rarely
     since: float = 0.0          # in its mode since
     sync_marks: collections.deque = field(default_factory=collections.deque)
+    # The last steps' running intervals (start, end, counted active), and the
+    # hold last seen: a stop whose event reaches the controller after a step
+    # ran was counted as running by that step.
+    ran_spans: collections.deque = field(default_factory=collections.deque)
+    hold_seen: float | None = None
 
     def owes_per_s(self) -> float:
         return (100.0 - self.cap) / self.cap
@@ -190,6 +199,22 @@ class DutyPacer:
         k = self._keys.get(key)
         return None if k is None else k.debt
 
+    @staticmethod
+    def _held_before(k: _Key, since: float, counts_held: bool) -> None:
+        """A hold seen for the first time began `since`, before the last step
+        ran: the steps that counted the time after it as running (its event
+        was still in the ring) are corrected, so that time is held, as it was.
+        Counted as idle running it paid its seconds already; counted as
+        active it owed cap-dependent seconds more, which are taken back."""
+        for t0, t1, active in k.ran_spans:
+            late = t1 - max(t0, since)
+            if late <= 0:
+                continue
+            k.debt -= late * (k.owes_per_s() + 1.0) if active else 0.0
+            if counts_held:
+                k.held_s += late
+        k.ran_spans.clear()
+
     def step(self, obs: Observation) -> Decision:
         now = obs.now
         for key in [k for k in self._keys if k not in obs.caps]:
@@ -214,15 +239,24 @@ class DutyPacer:
             if u.consumed != k.consumed or u.syncs != k.syncs or u.waiting > 0:
                 k.last_active = now
             held = key[0] in obs.held
+            counts_held = k.mode is Mode.DUTY or (now >= k.stay_until and key not in obs.turns)
+            if held and obs.held[key[0]] != k.hold_seen:
+                k.hold_seen = obs.held[key[0]]
+                self._held_before(k, k.hold_seen, counts_held)
             # A hold that began after the last step: the group ran until then.
             ran = min(max(obs.held[key[0]] - k.t, 0.0), dt) if held else dt
-            if now - k.last_active > ACTIVE_GRACE_S:
+            active = now - k.last_active <= ACTIVE_GRACE_S
+            if not active:
                 k.debt -= ran
             else:
                 k.debt += ran * k.owes_per_s()
             k.debt -= dt - ran
-            if k.mode is Mode.DUTY or (now >= k.stay_until and key not in obs.turns):
+            if counts_held:
                 k.held_s += dt - ran
+            if ran > 0:
+                k.ran_spans.append((k.t, k.t + ran, active))
+                while k.ran_spans and k.ran_spans[0][1] < now - MAX_STEP_S:
+                    k.ran_spans.popleft()
             k.debt = min(max(k.debt, -BURST_S * k.owes_per_s()), MAX_DEBT_S)
             k.t, k.consumed, k.syncs = now, u.consumed, u.syncs
             k.sync_marks.append((now, u.syncs, k.held_s))

@@ -53,13 +53,16 @@ def test_a_never_active_group_accrues_no_debt_and_is_never_asked(cap, start, ste
 # -- a random daemon: steps, counters, stops and releases ----------------------
 
 def drive(p, rnd, seconds, cap, sync_every=(0.001, 0.02), tick=(0.005, 0.015),
-          obey=True, random_holds=False, check=None):
+          obey=True, random_holds=False, check=None, seen_late=False):
     """Steps `p` over a group that launches all the while it runs and synchronizes.
 
     A stop asked for comes at a synchronize's return before the next step (the
     process synchronizes every `sync_every` seconds); a release is obeyed at the
-    step that says it. Returns (seconds running, seconds held) after the first second.
+    step that says it. With `seen_late`, the step right after a stop does not
+    see it yet (its event still in the ring); the next one does, with the
+    stop's own time. Returns (seconds running, seconds held) after the first second.
     """
+    seen = None
     now, consumed, syncs = 0.0, 0, 0
     since = None
     next_sync = rnd.uniform(*sync_every)
@@ -94,7 +97,10 @@ def drive(p, rnd, seconds, cap, sync_every=(0.001, 0.02), tick=(0.005, 0.015),
         elif now >= 1.0:
             held_s += nxt - now
         now = nxt
-        d = p.step(obs(now, consumed, syncs, cap=cap, held_since=since))
+        shown = since
+        if seen_late and since is not None and seen != since:
+            seen, shown = since, None
+        d = p.step(obs(now, consumed, syncs, cap=cap, held_since=shown))
         if check:
             check(now, since, d)
         if since is not None and KEY[0] in d.release:
@@ -142,6 +148,17 @@ def test_debt_stays_between_its_floor_and_max_debt(steps):
 def test_a_prompt_group_runs_its_cap_share_of_the_time(cap, seed):
     run_s, held_s = drive(DutyPacer(), random.Random(seed), 20.0, cap,
                           sync_every=(0.002, 0.012))
+    share = 100.0 * run_s / (run_s + held_s)
+    assert abs(share - cap) <= 2.0, share
+
+
+@given(cap=st.floats(10.0, 90.0), seed=st.integers(0, 2**32 - 1))
+@settings(max_examples=25, deadline=None)
+def test_a_stop_seen_a_step_late_is_counted_held_from_its_start(cap, seed):
+    # The time between a stop and the step that first sees it was counted as
+    # running; at cap 25 each such millisecond would owe three more held.
+    run_s, held_s = drive(DutyPacer(), random.Random(seed), 20.0, cap,
+                          sync_every=(0.002, 0.012), seen_late=True)
     share = 100.0 * run_s / (run_s + held_s)
     assert abs(share - cap) <= 2.0, share
 
