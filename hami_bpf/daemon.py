@@ -37,7 +37,9 @@ POLL_MS = 100
 # Jobs of the loop besides polling: (name, seconds between runs).
 PERIODIC = (("reap", 1.0),         # lost exit events repaired from /proc
             ("reconcile", 1.0),    # the table's usage checked against the kernel's counters
-            ("sweep", 10.0))       # allocation records of processes that are gone
+            ("sweep", 10.0),       # allocation records of processes that are gone
+            ("refresh", 0.1))      # counters and SM state for the views (a rebuild
+                                   # reads maps and NVML: not at every pacing turn)
 
 
 class Daemon:
@@ -178,7 +180,8 @@ class Daemon:
 
     def loop(self) -> None:
         r = self.registry
-        jobs = {"reap": r.reap, "reconcile": r.reconcile, "sweep": r.sweep}
+        jobs = {"reap": r.reap, "reconcile": r.reconcile, "sweep": r.sweep,
+                "refresh": lambda: (self.cfg.count_launches or self.sm.active) and self._rebuild_snapshot()}
         due = {name: time.monotonic() + every for name, every in PERIODIC}
         while not self._stopping:
             self.heart.progress()
@@ -195,7 +198,7 @@ class Daemon:
                     due[name] = now + every
             self.memory.answer_due(now)   # paced denials whose time has come
             self.policy.due()
-            if r.dirty or self.cfg.count_launches or self.sm.active:
+            if r.dirty:
                 self._rebuild_snapshot()
 
     def _poll_ms(self) -> int:
