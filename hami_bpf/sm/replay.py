@@ -113,7 +113,9 @@ class Run:
 
 
 def replay(wl: Workload, controller: Controller | None = None, *, cap: float | None = None,
-           horizon: float | None = None, tick: float = TICK_S) -> Run:
+           horizon: float | None = None, tick: float = TICK_S, seen_after: float = 0.0) -> Run:
+    """`seen_after`: a stop reaches the controller this long after it happened
+    (its event in the ring buffer); steps before that see the group running."""
     ths = wl.threads
     n = len(ths)
     idx = [0] * n
@@ -204,14 +206,16 @@ def replay(wl: Workload, controller: Controller | None = None, *, cap: float | N
             if now >= next_tick - _EPS:
                 ticks += 1
                 next_tick = ticks * tick
-            s = controller.step(now, consumed, syncs, held_since,
+            seen = held_since if held_since is not None and now >= held_since + seen_after - _EPS \
+                else None
+            s = controller.step(now, consumed, syncs, seen,
                                 waiting=sum(1 for st in state if st == _WAIT))
             modes.append((now, s.mode))
             if last_mode is not None and s.mode != last_mode:
                 mode_changes += 1
             last_mode = s.mode
             debt_max = max(debt_max, s.debt)
-            if s.release and held_since is not None:
+            if s.release and seen is not None:
                 holds.append((held_since, now))
                 held_since = None
             ask = s.ask if held_since is None else duty.Ask.NONE
@@ -223,8 +227,9 @@ def replay(wl: Workload, controller: Controller | None = None, *, cap: float | N
                mode_changes=mode_changes, debt_max=debt_max)
 
 
-def replay_capped(wl: Workload, cap: float, *, horizon: float | None = None) -> Run:
-    return replay(wl, DutyController(cap), cap=cap, horizon=horizon)
+def replay_capped(wl: Workload, cap: float, *, horizon: float | None = None,
+                  seen_after: float = 0.0) -> Run:
+    return replay(wl, DutyController(cap), cap=cap, horizon=horizon, seen_after=seen_after)
 
 
 # -- what a run shows ----------------------------------------------------------
