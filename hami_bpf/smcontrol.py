@@ -442,8 +442,10 @@ class SmControl:
             if name in self.throttled:
                 held[g.index] = self.throttle_since.get(name, now)
         waiting = self.probes.sync_waiting() if caps else {}
-        obs = duty.Observation(now=now, caps=caps, held=held, turns=frozenset(self.turns), use={
-            k: duty.Use(consumed=v[0], syncs=v[5], waiting=waiting.get(k, 0))
+        obs = duty.Observation(now=now, caps=caps, held=held, turns=frozenset(self.turns),
+                               probe_s=self.probe_cost_s, use={
+            k: duty.Use(consumed=v[0], syncs=v[5], waiting=waiting.get(k, 0), launches=v[1],
+                        sync_s=v[3] / 1e9)
             for k, v in use.items() if k in caps})
         d = self.duty.step(obs)
         for key, mode in d.mode_changes:
@@ -458,8 +460,9 @@ class SmControl:
                 continue
             if log.isEnabledFor(logging.DEBUG) and now - self._budget_logged.get(key, 0) >= 0.5:
                 self._budget_logged[key] = now
-                log.debug("duty %s dev %d: cap %s debt %.3f ask %s held %s syncs %d waiting %d",
-                          names.get(key[0], key[0]), key[1], caps[key], kd.debt, kd.ask.value,
+                log.debug("duty %s dev %d: cap %s debt %.3f probe %.3f ask %s held %s syncs %d "
+                          "waiting %d", names.get(key[0], key[0]), key[1], caps[key], kd.debt,
+                          kd.probe_share, kd.ask.value,
                           key[0] in held, obs.use[key].syncs if key in obs.use else -1,
                           obs.use[key].waiting if key in obs.use else -1)
             consumed = use.get(key, (0,))[0]

@@ -51,6 +51,14 @@ holds it, and would go back and forth between the two. Nor does a group
 whose budget takes turns with others' (Observation.turns) leave out its
 holds: those are its time slices, not an estimate gone wrong.
 
+The launch probe's own time is the controller's, not the group's: a group
+whose host loop sets its pace (its threads spend under half their running
+time inside synchronize calls) runs slower by the probe's cost on every
+launch, so it may run cap / (1 - s) of the time, s being the share of its
+running time the probes took (launches per second of running x the probe's
+measured cost, Observation.probe_s; at most MAX_PROBE_SHARE). A group that
+waits for the GPU is not slowed by its launcher and gets nothing.
+
 Groups that synchronize rarely (below PACED_HZ) are not paced here: their
 work sits in a launch queue that a hold does not drain, and the launch
 budget (hami_bpf.throttle) paces them. `mode()` says which one applies.
@@ -78,6 +86,8 @@ BUDGET_STAY_S = 5.0    # back with the budget for synchronizing rarely: its hold
 BUDGET_STAY_MAX_S = 60.0   # ... doubled at each return, at most this
 MAX_STEP_S = 0.5       # a longer gap between steps (a stalled controller) counts as this
 DUTY_WAIT_S = 0.005    # a group waiting for another's turn to end looks again this soon
+MAX_PROBE_SHARE = 0.2  # the launch probe's part of a group's running time taken into account at most
+WAITED_SHARE = 0.5     # running time inside synchronize calls from which the GPU sets the pace
 DUE_EPS_S = 1e-6       # a debt or hold this close to its end has ended (a step at next_step
                        # lands within rounding of it, on either side)
 
@@ -99,6 +109,8 @@ class Use:
     consumed: int       # cost units launched in total
     syncs: int          # synchronize calls that returned
     waiting: int = 0    # threads inside a synchronize call now (sync_at entries)
+    launches: int = 0   # launches counted by the probes
+    sync_s: float = 0.0     # seconds its threads spent inside synchronize calls that returned
 
 
 @dataclass(frozen=True)
@@ -110,6 +122,7 @@ class Observation:
     # keys whose launch budget takes turns with other groups' on their device:
     # their holds are the turns' time slices, which count as running here
     turns: frozenset = frozenset()
+    probe_s: float = 0.0    # host time the launch probe adds to each launch (measured at start)
 
 
 @dataclass(frozen=True)
@@ -117,6 +130,7 @@ class KeyDecision:
     mode: Mode
     ask: Ask
     debt: float
+    probe_share: float = 0.0    # the probes' part of its running time, given back as running
 
 
 @dataclass(frozen=True)
@@ -148,9 +162,11 @@ class _Key:
     # ran was counted as running by that step.
     ran_spans: collections.deque = field(default_factory=collections.deque)
     hold_seen: float | None = None
+    probe_share: float = 0.0
 
     def owes_per_s(self) -> float:
-        return (100.0 - self.cap) / self.cap
+        c = min(self.cap / (1.0 - self.probe_share), 99.0)
+        return (100.0 - c) / c
 
 
 def _sync_rate(k: _Key, now: float) -> float:
@@ -173,6 +189,20 @@ def _sync_rate(k: _Key, now: float) -> float:
     # runs a few tens of milliseconds in RATE_WALL_S: its rate is its
     # synchronizes over that, not over half a window it never ran.
     return n / max(span, MIN_RUN_S)
+
+
+def _probe_share(k: _Key, now: float, u: Use, probe_s: float) -> float:
+    """The part of the group's running time its launch probes took, over the
+    synchronize rate's window; none for a group the GPU keeps waiting."""
+    if probe_s <= 0 or not k.sync_marks:
+        return 0.0
+    m = k.sync_marks[0]
+    ran = (now - m[0]) - (k.held_s - m[2])
+    if ran < SYNC_WINDOW_S / 2 or u.launches < m[3] or u.sync_s < m[4]:
+        return 0.0
+    if (u.sync_s - m[4]) >= WAITED_SHARE * ran:
+        return 0.0
+    return min(MAX_PROBE_SHARE, (u.launches - m[3]) / ran * probe_s)
 
 
 class DutyPacer:
@@ -233,7 +263,7 @@ class DutyPacer:
                 k = None
             if k is None:
                 k = self._keys[key] = _Key(cap=cap, t=now, consumed=u.consumed, syncs=u.syncs)
-                k.sync_marks.append((now, u.syncs, 0.0))
+                k.sync_marks.append((now, u.syncs, 0.0, u.launches, u.sync_s))
             k.cap = min(max(cap, 1.0), 99.0)
             dt = min(max(now - k.t, 0.0), MAX_STEP_S)
             if u.consumed != k.consumed or u.syncs != k.syncs or u.waiting > 0:
@@ -259,8 +289,9 @@ class DutyPacer:
                     k.ran_spans.popleft()
             k.debt = min(max(k.debt, -BURST_S * k.owes_per_s()), MAX_DEBT_S)
             k.t, k.consumed, k.syncs = now, u.consumed, u.syncs
-            k.sync_marks.append((now, u.syncs, k.held_s))
+            k.sync_marks.append((now, u.syncs, k.held_s, u.launches, u.sync_s))
             rate = _sync_rate(k, now)
+            k.probe_share = _probe_share(k, now, u, obs.probe_s)
             mode = (Mode.DUTY if rate >= PACED_HZ else
                     Mode.BUDGET if rate < UNPACED_HZ else k.mode)
             if mode != k.mode:
@@ -280,7 +311,7 @@ class DutyPacer:
                 ask = Ask.LAUNCH if now - k.asked_since >= FORCE_AFTER_S else Ask.SYNC
             else:
                 k.asked_since = None
-            decisions[key] = KeyDecision(k.mode, ask, k.debt)
+            decisions[key] = KeyDecision(k.mode, ask, k.debt, k.probe_share)
 
         self._asked = {key[0] for key, d in decisions.items() if d.ask is not Ask.NONE}
         # Devices where a paced group runs now: another paced group there

@@ -540,3 +540,65 @@ def test_a_group_waiting_in_a_synchronize_is_active():
             assert k.debt == pytest.approx(before + 0.15, abs=1e-9)
         else:
             assert k.debt < before + duty.ACTIVE_GRACE_S
+
+
+# -- the launch probe's own time --------------------------------------------------
+
+def run_host_loop(cap, launch_hz, probe_s, wait_share=0.0, seconds=20.0, tick=0.01):
+    """A loop that synchronizes every tick and launches `launch_hz` a second
+    while it runs, `wait_share` of its running time inside synchronize calls;
+    stops at its next synchronize when asked. Returns (share of the time it
+    ran after its first 2 s, the last probe share the pacer gave)."""
+    p = DutyPacer()
+    now, consumed, launches, syncs, sync_s = 0.0, 0, 0, 0, 0.0
+    since, run_s, held_s = None, 0.0, 0.0
+
+    def step():
+        return p.step(Observation(now=now, caps={KEY: cap}, held={} if since is None else {0: since},
+                                  use={KEY: Use(consumed, syncs, 0, launches, sync_s)},
+                                  probe_s=probe_s))
+    d = step()
+    while now < seconds:
+        nxt = now + tick if d.next_step is None else min(now + tick, max(d.next_step, now + 1e-6))
+        dt = nxt - now
+        if since is None:
+            launches += round(launch_hz * dt)
+            consumed += round(launch_hz * dt)
+            syncs += 1
+            sync_s += wait_share * dt
+            run_s += dt if now >= 2.0 else 0.0
+        else:
+            held_s += dt if now >= 2.0 else 0.0
+        asked = since is None and d.keys[KEY].ask is not Ask.NONE
+        now = nxt
+        if asked:
+            since = now
+        d = step()
+        if since is not None and 0 in d.release:
+            since = None
+    return 100.0 * run_s / (run_s + held_s), d.keys[KEY].probe_share
+
+
+def test_a_host_bound_group_runs_longer_by_what_its_probes_take():
+    # 50k launches a second at 2 us each: a tenth of its running time
+    share, probe = run_host_loop(50.0, 50_000, 2e-6)
+    assert probe == pytest.approx(0.1, abs=0.005)
+    assert share == pytest.approx(50.0 / 0.9, abs=1.5)
+
+
+def test_a_group_that_waits_for_the_gpu_gets_no_probe_allowance():
+    share, probe = run_host_loop(50.0, 50_000, 2e-6, wait_share=0.7)
+    assert probe == 0.0
+    assert share == pytest.approx(50.0, abs=1.5)
+
+
+def test_without_a_measured_probe_cost_a_group_runs_its_cap():
+    share, probe = run_host_loop(50.0, 50_000, 0.0)
+    assert probe == 0.0
+    assert share == pytest.approx(50.0, abs=1.5)
+
+
+def test_the_probe_allowance_is_bounded():
+    share, probe = run_host_loop(25.0, 1_000_000, 2e-6)
+    assert probe == duty.MAX_PROBE_SHARE
+    assert share == pytest.approx(25.0 / (1 - duty.MAX_PROBE_SHARE), abs=1.5)
