@@ -24,6 +24,9 @@ class FakeProbes:
         self.gate_wait: set[int] = set()     # pids the cuInit probe holds
         self.pmem: dict[tuple[int, int], int] = {}
         self.gmem: dict[tuple[int, int], tuple[int, int]] = {}
+        self.launch_probes = 0                # launch probes attached
+        self.launch_counts: dict[int, int] = {}
+        self.stat_values: dict[str, int] = {}
 
     def gate_waiting(self):
         return sorted(self.gate_wait)
@@ -66,7 +69,10 @@ class FakeProbes:
         return dict(self.pmem)
 
     def launch_probes_attached(self):
-        return 0
+        return self.launch_probes
+
+    def launches(self):
+        return dict(self.launch_counts)
 
     def attach_launch(self, lib, syms):
         return []
@@ -78,7 +84,7 @@ class FakeProbes:
         pass
 
     def stats(self):
-        return {}
+        return dict(self.stat_values)
 
     def bpf_procs(self):
         return set(self.proc_cfg)
