@@ -24,6 +24,9 @@ class FakeProbes:
         self.gate_wait: set[int] = set()     # pids the cuInit probe holds
         self.pmem: dict[tuple[int, int], int] = {}
         self.gmem: dict[tuple[int, int], tuple[int, int]] = {}
+        self.launch_probes = 0                # launch probes attached
+        self.launch_counts: dict[int, int] = {}
+        self.stat_values: dict[str, int] = {}
 
     def gate_waiting(self):
         return sorted(self.gate_wait)
@@ -66,7 +69,10 @@ class FakeProbes:
         return dict(self.pmem)
 
     def launch_probes_attached(self):
-        return 0
+        return self.launch_probes
+
+    def launches(self):
+        return dict(self.launch_counts)
 
     def attach_launch(self, lib, syms):
         return []
@@ -78,7 +84,7 @@ class FakeProbes:
         pass
 
     def stats(self):
-        return {}
+        return dict(self.stat_values)
 
     def bpf_procs(self):
         return set(self.proc_cfg)
@@ -111,7 +117,7 @@ class FakeProc:
         return pid
 
     def _write_stat(self, pid: int, comm: str, state: str, start: int) -> None:
-        fields = [state, "1"] + ["0"] * 18 + [str(start)] + ["0"] * 30
+        fields = [state, "1"] + ["0"] * 17 + [str(start)] + ["0"] * 30   # start: field 22
         (self.root / str(pid) / "stat").write_text(f"{pid} ({comm}) " + " ".join(fields) + "\n")
 
     def state(self, pid: int) -> str | None:
@@ -152,3 +158,86 @@ def event(kind: int, pid: int, flags: int = 0, **fields) -> abi.Event:
     for k, v in fields.items():
         setattr(e, k, v)
     return e
+
+
+class FakeSm:
+    """SmControl as the registry and the views call it: what they asked, recorded."""
+
+    def __init__(self):
+        self.released: list[tuple[str, int]] = []
+        self.forgotten: list[tuple[str, int]] = []
+        self.throttled: dict[str, set[int]] = {}
+        self.shares: dict[int, float] = {}
+        self.sm_caps: dict[str, dict[int, int]] = {}
+
+    def release(self, group, pid):
+        self.released.append((group, pid))
+
+    def forget_group(self, name, index):
+        self.forgotten.append((name, index))
+
+    def caps(self, group):
+        return self.sm_caps.get(group, {})
+
+    def shown_throttled(self, group, pid, now):
+        return pid in self.throttled.get(group, ())
+
+    def group_share(self, group_index):
+        return self.shares.get(group_index)
+
+    def group_view(self, group, index):
+        caps = self.sm_caps.get(group)
+        return dict(sm_limit=min(caps.values()) if caps else None, priority=1,
+                    sm_lending=(), sm_turns=())
+
+
+class FakeLimits:
+    """GroupLimits: every apply and sync, recorded; ``fail``: the next apply
+    raises it (once)."""
+
+    def __init__(self, ctx_bytes: int = 0):
+        self.ctx_bytes = ctx_bytes
+        self.applied: list[tuple[str, int, int, str | None]] = []
+        self.synced: list[tuple[str, int]] = []
+        self.fail: Exception | None = None
+
+    def apply(self, group, index, pid, cvd):
+        self.applied.append((group, index, pid, cvd))
+        if self.fail is not None:
+            e, self.fail = self.fail, None
+            raise e
+
+    def sync(self, group, device):
+        self.synced.append((group, device))
+
+
+class FakeMemory:
+    def __init__(self):
+        self.forgotten: list[int] = []
+        self.denials: dict[int, int] = {}
+
+    def forget(self, pid):
+        self.forgotten.append(pid)
+
+    def denied(self, pid):
+        return self.denials.get(pid, 0)
+
+
+class FakeWatch:
+    def __init__(self):
+        self.released: list[int] = []
+        self.housekept = 0
+
+    def release(self, pid):
+        self.released.append(pid)
+
+    def housekeeping(self, now):
+        self.housekept += 1
+
+
+class FakeRegions:
+    def __init__(self):
+        self.gone_groups: list[str] = []
+
+    def gone(self, group):
+        self.gone_groups.append(group)
