@@ -144,7 +144,7 @@ def render_devices(devices) -> Table:
                     ("UTIL", "right")):
         t.add_column(name, justify=j)
     for d in devices:
-        name = f"{d.name} (simulated)" if d.simulated else d.name
+        name = f"{d.name} (simulated)" if d.simulated else (d.name if d.name is not None else NA)
         util = NA if d.utilization is None else f"{d.utilization:.0f}%"
         t.add_row(str(d.index), name, fmt_bytes(d.used_bytes), fmt_bytes(d.total_bytes), util)
     return t
@@ -352,7 +352,7 @@ def render_top_devices(devices: Sequence) -> RenderableType:
                     ("UTIL", "right")):
         t.add_column(name, justify=j, no_wrap=True)
     for d in devices:
-        name = f"{d.name} (simulated)" if d.simulated else d.name
+        name = f"{d.name} (simulated)" if d.simulated else (d.name if d.name is not None else NA)
         t.add_row(str(d.index), name, usage_bar(d.used_bytes, d.total_bytes),
                   fmt_pct(d.utilization))
     if not devices:

@@ -111,7 +111,7 @@ class Devices:
                     out.append(DeviceInfo(i, name.decode() if isinstance(name, bytes) else name,
                                           int(mem.total), int(mem.used), util, False, uuid=uuid))
                 except Exception:
-                    out.append(DeviceInfo(i, "N/A", None, None, None, False))
+                    out.append(DeviceInfo(i, None, None, None, None, False))  # unknown: the views say so
             return tuple(out)
         return tuple(DeviceInfo(i, "simulated device", self.total_mem if self.simulated else None,
                                 None, None,

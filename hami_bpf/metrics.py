@@ -152,7 +152,7 @@ class SnapshotCollector(Collector):
                                   labels=["device_index", "device_uuid", "simulated"])
         for d in snap.devices:
             labels = [self._node, str(d.index), d.uuid or "",
-                      d.name if d.simulated else f"NVIDIA-{d.name}"]
+                      d.name if d.simulated else f"NVIDIA-{d.name or 'unknown'}"]
             if d.used_bytes is not None:
                 mem.add_metric(labels, float(d.used_bytes))
             if d.utilization is not None:

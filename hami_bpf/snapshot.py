@@ -193,7 +193,7 @@ class GroupInfo:
 @dataclass(frozen=True)
 class DeviceInfo:
     index: int
-    name: str
+    name: str | None              # None when NVML could not tell
     total_bytes: int | None       # None when NVML could not tell
     used_bytes: int | None
     utilization: float | None     # percent
@@ -207,7 +207,7 @@ class DeviceInfo:
 
     @classmethod
     def from_json(cls, d: Mapping) -> "DeviceInfo":
-        return cls(index=int(d["index"]), name=str(d["name"]), total_bytes=d.get("total_bytes"),
+        return cls(index=int(d["index"]), name=None if d.get("name") is None else str(d["name"]), total_bytes=d.get("total_bytes"),
                    used_bytes=d.get("used_bytes"), utilization=d.get("utilization"),
                    simulated=bool(d.get("simulated", False)), uuid=d.get("uuid"))
 

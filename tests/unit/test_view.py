@@ -136,3 +136,13 @@ def test_a_device_whose_values_are_unknown_shows_none_not_text():
     assert [d.total_bytes for d in sim.devices] == [8 * GiB, 8 * GiB]
     # A process without a limit on a device: None, also through JSON.
     assert js["processes"][1]["devices"]["1"]["limit_bytes"] is None
+
+
+def test_a_device_nvml_could_not_read_has_no_name_in_data_and_na_in_text():
+    from cli.render import NA, render_devices, render_top_devices, to_text
+    from hami_bpf.snapshot import DeviceInfo
+    d = DeviceInfo(0, None, None, None, None, False)
+    assert DeviceInfo.from_json(json.loads(json.dumps(d.to_json()))) == d
+    for view in (render_devices([d]), render_top_devices([d])):
+        row = next(line for line in to_text(view).splitlines() if line.strip().startswith("0"))
+        assert NA in row and "None" not in row
