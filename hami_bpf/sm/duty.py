@@ -25,8 +25,9 @@ A hold counts from the probe's stop, also where its event reaches the
 controller after a step that counted that time as running: the step is
 corrected when the hold is first seen (at cap 25 a millisecond counted as
 running owes three held, so uncorrected the group would run less than its cap).
-Debt has a floor (an idle group banks at most BURST_S of running) and a
-ceiling (MAX_DEBT_S). Once debt reaches QUANTUM_S the group
+Debt has floors (an idle group banks at most BURST_S of running; a hold
+that outlasts its debt, because the daemon's turn came late or a neighbour
+ran, is credited up to MAX_HOLD_S) and a ceiling (MAX_DEBT_S). Once debt reaches QUANTUM_S the group
 is asked to stop at its next synchronize's return (BPF, `hold_at_sync`); if
 none comes within FORCE_AFTER_S, at its next launch. A held group is released
 once its debts are paid and no other paced group runs on its devices (their
@@ -276,18 +277,21 @@ class DutyPacer:
             # A hold that began after the last step: the group ran until then.
             ran = min(max(obs.held[key[0]] - k.t, 0.0), dt) if held else dt
             active = now - k.last_active <= ACTIVE_GRACE_S
+            idle_floor = -BURST_S * k.owes_per_s()
             if not active:
-                k.debt -= ran
+                k.debt = max(k.debt - ran, min(k.debt, idle_floor))
             else:
                 k.debt += ran * k.owes_per_s()
-            k.debt -= dt - ran
+            # Held past its debt (the daemon's turn came late, or a neighbour
+            # ran): credited, up to one longest hold, whatever the cap.
+            k.debt = max(k.debt - (dt - ran), min(k.debt, -self.max_hold_s))
             if counts_held:
                 k.held_s += dt - ran
             if ran > 0:
                 k.ran_spans.append((k.t, k.t + ran, active))
                 while k.ran_spans and k.ran_spans[0][1] < now - MAX_STEP_S:
                     k.ran_spans.popleft()
-            k.debt = min(max(k.debt, -BURST_S * k.owes_per_s()), MAX_DEBT_S)
+            k.debt = min(max(k.debt, idle_floor - self.max_hold_s), MAX_DEBT_S)
             k.t, k.consumed, k.syncs = now, u.consumed, u.syncs
             k.sync_marks.append((now, u.syncs, k.held_s, u.launches, u.sync_s))
             rate = _sync_rate(k, now)

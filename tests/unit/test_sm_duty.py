@@ -24,9 +24,13 @@ def obs(now, consumed=0, syncs=0, cap=50.0, held_since=None, key=KEY, extra=None
     return Observation(now=now, caps=caps, use=use, held=held)
 
 
-def floor_of(cap: float) -> float:
+def idle_floor_of(cap: float) -> float:
     c = min(max(cap, 1.0), 99.0)
     return -duty.BURST_S * (100.0 - c) / c
+
+
+def floor_of(cap: float) -> float:
+    return idle_floor_of(cap) - duty.MAX_HOLD_S
 
 
 caps = st.floats(min_value=1.0, max_value=99.0)
@@ -53,16 +57,19 @@ def test_a_never_active_group_accrues_no_debt_and_is_never_asked(cap, start, ste
 # -- a random daemon: steps, counters, stops and releases ----------------------
 
 def drive(p, rnd, seconds, cap, sync_every=(0.001, 0.02), tick=(0.005, 0.015),
-          obey=True, random_holds=False, check=None, seen_late=False):
+          obey=True, random_holds=False, check=None, seen_late=False, release_late=(0.0, 0.0)):
     """Steps `p` over a group that launches all the while it runs and synchronizes.
 
     A stop asked for comes at a synchronize's return before the next step (the
     process synchronizes every `sync_every` seconds); a release is obeyed at the
     step that says it. With `seen_late`, the step right after a stop does not
     see it yet (its event still in the ring); the next one does, with the
-    stop's own time. Returns (seconds running, seconds held) after the first second.
+    stop's own time. With `release_late`, a release takes effect that long
+    after the step that says it (the daemon's next turn came late).
+    Returns (seconds running, seconds held) after the first second.
     """
     seen = None
+    resume_at = None
     now, consumed, syncs = 0.0, 0, 0
     since = None
     next_sync = rnd.uniform(*sync_every)
@@ -73,6 +80,8 @@ def drive(p, rnd, seconds, cap, sync_every=(0.001, 0.02), tick=(0.005, 0.015),
         nxt = now + rnd.uniform(*tick)
         if d.next_step is not None:
             nxt = min(nxt, max(d.next_step, now + 1e-6))
+        if resume_at is not None:
+            nxt = min(nxt, max(resume_at, now + 1e-6))
         stop_at = None
         if since is None and obey and k.ask is not Ask.NONE:
             stop_at = next_sync if next_sync < nxt else None
@@ -103,8 +112,10 @@ def drive(p, rnd, seconds, cap, sync_every=(0.001, 0.02), tick=(0.005, 0.015),
         d = p.step(obs(now, consumed, syncs, cap=cap, held_since=shown))
         if check:
             check(now, since, d)
-        if since is not None and KEY[0] in d.release:
-            since = None
+        if since is not None and resume_at is None and KEY[0] in d.release:
+            resume_at = now + rnd.uniform(*release_late)
+        if resume_at is not None and now >= resume_at - 1e-12:
+            since, resume_at = None, None
             next_sync = now + rnd.uniform(*sync_every)
     return run_s, held_s
 
@@ -141,6 +152,19 @@ def test_debt_stays_between_its_floor_and_max_debt(steps):
         assert floor_of(cap) - 1e-12 <= k.debt <= duty.MAX_DEBT_S + 1e-12
 
 
+@given(cap=caps, steps=st.lists(st.tuples(gaps, st.integers(0, 3), st.integers(0, 10**5)),
+                               min_size=1, max_size=120))
+def test_a_group_never_held_banks_no_more_than_its_idle_floor(cap, steps):
+    p = DutyPacer()
+    now, consumed, syncs = 0.0, 0, 0
+    for gap, nsync, ncost in steps:
+        now += gap
+        syncs += nsync
+        consumed += ncost
+        k = p.step(obs(now, consumed, syncs, cap=cap)).keys[KEY]
+        assert k.debt >= idle_floor_of(cap) - 1e-12
+
+
 # -- (d) the share of time a synchronizing group runs is its cap ----------------
 
 @given(cap=st.floats(10.0, 90.0), seed=st.integers(0, 2**32 - 1))
@@ -159,6 +183,16 @@ def test_a_stop_seen_a_step_late_is_counted_held_from_its_start(cap, seed):
     # running; at cap 25 each such millisecond would owe three more held.
     run_s, held_s = drive(DutyPacer(), random.Random(seed), 20.0, cap,
                           sync_every=(0.002, 0.012), seen_late=True)
+    share = 100.0 * run_s / (run_s + held_s)
+    assert abs(share - cap) <= 2.0, share
+
+
+@given(cap=st.floats(50.0, 95.0), seed=st.integers(0, 2**32 - 1))
+@settings(max_examples=25, deadline=None)
+def test_a_hold_released_late_is_credited_at_any_cap(cap, seed):
+    # At cap 90 the idle floor is 11 ms: a hold 20-40 ms over would lose the rest.
+    run_s, held_s = drive(DutyPacer(), random.Random(seed), 20.0, cap,
+                          sync_every=(0.002, 0.012), release_late=(0.02, 0.04))
     share = 100.0 * run_s / (run_s + held_s)
     assert abs(share - cap) <= 2.0, share
 
