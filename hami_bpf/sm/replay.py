@@ -113,9 +113,12 @@ class Run:
 
 
 def replay(wl: Workload, controller: Controller | None = None, *, cap: float | None = None,
-           horizon: float | None = None, tick: float = TICK_S, seen_after: float = 0.0) -> Run:
+           horizon: float | None = None, tick: float = TICK_S, seen_after: float = 0.0,
+           late_by: float = 0.0) -> Run:
     """`seen_after`: a stop reaches the controller this long after it happened
-    (its event in the ring buffer); steps before that see the group running."""
+    (its event in the ring buffer); steps before that see the group running.
+    `late_by`: a step the controller asks for comes this much later (the
+    daemon's loop busy elsewhere), so a hold due to end outlasts its debt."""
     ths = wl.threads
     n = len(ths)
     idx = [0] * n
@@ -219,7 +222,7 @@ def replay(wl: Workload, controller: Controller | None = None, *, cap: float | N
                 holds.append((held_since, now))
                 held_since = None
             ask = s.ask if held_since is None else duty.Ask.NONE
-            step_at = None if s.next_step is None else max(s.next_step, now + MIN_STEP_S)
+            step_at = None if s.next_step is None else max(s.next_step + late_by, now + MIN_STEP_S)
     if held_since is not None:
         holds.append((held_since, now))
     return Run(workload=wl.name, cap=cap, end=now, finished=live == 0, done_at=done_at,
@@ -228,8 +231,9 @@ def replay(wl: Workload, controller: Controller | None = None, *, cap: float | N
 
 
 def replay_capped(wl: Workload, cap: float, *, horizon: float | None = None,
-                  seen_after: float = 0.0) -> Run:
-    return replay(wl, DutyController(cap), cap=cap, horizon=horizon, seen_after=seen_after)
+                  seen_after: float = 0.0, late_by: float = 0.0, tick: float = TICK_S) -> Run:
+    return replay(wl, DutyController(cap), cap=cap, horizon=horizon, seen_after=seen_after,
+                  late_by=late_by, tick=tick)
 
 
 # -- what a run shows ----------------------------------------------------------
