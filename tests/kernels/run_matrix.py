@@ -22,9 +22,9 @@ The host row runs the same tests directly (the host's own kernel is not booted).
 
 `--fetch-only` does steps 1-2 and stops (.ci/run runs it in the background
 while the host's tests run). A guest that fails to boot (no /init, or init.sh
-could not hand over to guest.sh) is booted once more, and so is one whose kernel
-tripped over its own text patching (patching_oops); a test that fails is not
-retried, and the row says when it ran twice and why. How long each step took goes to results/timings.txt.
+could not hand over to guest.sh) is booted once more, and one whose kernel
+tripped over its own text patching (patching_oops) up to MAX_BOOTS times in all; a test that fails is not retried, and the row says when it
+ran again and why. How long each step took goes to results/timings.txt.
 
 Prints a table kernel x mechanism -> passed / skipped (reason) / failed and
 writes it to /var/cache/hami-bpf/kernels/results/table.md. Exit status 1 if any test
@@ -57,6 +57,8 @@ VENV = Path(os.environ.get("VENV", "/opt/hami-bpf/venv"))
 # Seconds from starting qemu to guest.sh's first line: generous, since under
 # TCG on a loaded host a boot takes minutes; a hung boot is retried once.
 BOOT_TIMEOUT = float(os.environ.get("HAMI_KERNELS_BOOT_TIMEOUT", 900))
+# Boots of a row whose guest crashed in its own text patching (a hung boot: two).
+MAX_BOOTS = 3
 
 # What runs in every row (kept small: bcc compiles are slow under TCG).
 PYTEST_ARGS = [
@@ -677,22 +679,25 @@ def run_guest(row: Row, k: Kernel, args) -> tuple[str, float]:
         log(f"{key}: {row.how}")
         row.run = boot(k, row.outdir, accel, args.timeout, not args.no_lockdown_pass,
                        args.guest_patch)
-        try:
-            oops = patching_oops((row.outdir / "console.log").read_text(errors="replace"))
-        except OSError:
-            oops = ""
-        if row.run["boot_failure"] or oops:
+        for attempt in range(1, MAX_BOOTS):
+            try:
+                oops = patching_oops((row.outdir / "console.log").read_text(errors="replace"))
+            except OSError:
+                oops = ""
+            if not (row.run["boot_failure"] or oops) or (row.run["boot_failure"] and attempt > 1):
+                break
             # Only a boot, or a guest kernel that tripped over its own text
-            # patching, is retried: a failing test fails the row.
-            first_why = row.run["boot_failure"] or oops
-            first = Path(f"{row.outdir}.attempt1")
+            # patching (under TCG it can, twice in a row), is retried: a
+            # failing test fails the row.
+            why = row.run["boot_failure"] or oops
+            kept = Path(f"{row.outdir}.attempt{attempt}")
             log(f"{key}: {'the guest did not boot' if row.run['boot_failure'] else 'the guest crashed'}: "
-                f"{first_why}; booting it once more (first attempt kept in {first})")
-            shutil.rmtree(first, ignore_errors=True)
-            row.outdir.rename(first)
+                f"{why}; booting it once more (attempt {attempt} kept in {kept})")
+            shutil.rmtree(kept, ignore_errors=True)
+            row.outdir.rename(kept)
             row.run = boot(k, row.outdir, accel, args.timeout, not args.no_lockdown_pass,
                            args.guest_patch)
-            row.how += f", booted twice (first: {_short(first_why, 200)})"
+            row.how += f", booted again (attempt {attempt}: {_short(why, 200)})"
         if args.guest_patch:
             row.how += f", with --guest-patch {args.guest_patch.name}"
         if row.run["boot_failure"]:

@@ -42,3 +42,35 @@ def test_a_fault_in_a_bpf_program_is_not_retried():
 
 def test_a_clean_console_is_not_retried():
     assert run_matrix.patching_oops("HAMI-GUEST-BOOTED\n5 passed\n") == ""
+
+
+def _guest(monkeypatch, tmp_path, consoles, boot_failure=""):
+    """run_guest over a fake boot whose console logs are `consoles`, in turn."""
+    import types
+    boots = []
+
+    def boot(k, outdir, *a):
+        outdir.mkdir(parents=True, exist_ok=True)
+        (outdir / "console.log").write_text(consoles[min(len(boots), len(consoles) - 1)])
+        boots.append(outdir)
+        return {"boot_failure": boot_failure, "timed_out": False}
+    monkeypatch.setattr(run_matrix, "boot", boot)
+    monkeypatch.setattr(run_matrix, "kvm_boots", lambda *a: (False, "no kvm"))
+    monkeypatch.setattr(run_matrix, "log", lambda m: None)
+    monkeypatch.setattr(run_matrix, "_save_row", lambda r: None)
+    row = types.SimpleNamespace(outdir=tmp_path / "debian-7", how="", run=None, error=None)
+    k = types.SimpleNamespace(spec=types.SimpleNamespace(key="debian-7"), version="7")
+    run_matrix.run_guest(row, k, types.SimpleNamespace(timeout=10, no_lockdown_pass=True,
+                                                       guest_patch=None))
+    return len(boots), sorted(p.name for p in tmp_path.iterdir())
+
+
+def test_a_guest_that_trips_over_its_text_patching_twice_boots_a_third_time(monkeypatch, tmp_path):
+    n, dirs = _guest(monkeypatch, tmp_path, [TEXT_POKE, TEXT_POKE, "clean"])
+    assert n == run_matrix.MAX_BOOTS == 3
+    assert dirs == ["debian-7", "debian-7.attempt1", "debian-7.attempt2"]
+
+
+def test_a_bpf_programs_fault_boots_once_and_a_hung_boot_twice(monkeypatch, tmp_path):
+    assert _guest(monkeypatch, tmp_path / "a", [IN_A_PROGRAM])[0] == 1
+    assert _guest(monkeypatch, tmp_path / "b", ["clean"], boot_failure="no line from guest.sh")[0] == 2
