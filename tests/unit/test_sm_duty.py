@@ -167,12 +167,17 @@ def test_a_group_never_held_banks_no_more_than_its_idle_floor(cap, steps):
 
 # -- (d) the share of time a synchronizing group runs is its cap ----------------
 
+def run_share(cap, seed, **kw):
+    """Percent of 20 s a prompt group (a synchronize every 2-12 ms) ran."""
+    run_s, held_s = drive(DutyPacer(), random.Random(seed), 20.0, cap,
+                          sync_every=(0.002, 0.012), **kw)
+    return 100.0 * run_s / (run_s + held_s)
+
+
 @given(cap=st.floats(10.0, 90.0), seed=st.integers(0, 2**32 - 1))
 @settings(max_examples=25, deadline=None)
 def test_a_prompt_group_runs_its_cap_share_of_the_time(cap, seed):
-    run_s, held_s = drive(DutyPacer(), random.Random(seed), 20.0, cap,
-                          sync_every=(0.002, 0.012))
-    share = 100.0 * run_s / (run_s + held_s)
+    share = run_share(cap, seed)
     assert abs(share - cap) <= 2.0, share
 
 
@@ -181,9 +186,7 @@ def test_a_prompt_group_runs_its_cap_share_of_the_time(cap, seed):
 def test_a_stop_seen_a_step_late_is_counted_held_from_its_start(cap, seed):
     # The time between a stop and the step that first sees it was counted as
     # running; at cap 25 each such millisecond would owe three more held.
-    run_s, held_s = drive(DutyPacer(), random.Random(seed), 20.0, cap,
-                          sync_every=(0.002, 0.012), seen_late=True)
-    share = 100.0 * run_s / (run_s + held_s)
+    share = run_share(cap, seed, seen_late=True)
     assert abs(share - cap) <= 2.0, share
 
 
@@ -191,9 +194,7 @@ def test_a_stop_seen_a_step_late_is_counted_held_from_its_start(cap, seed):
 @settings(max_examples=25, deadline=None)
 def test_a_hold_released_late_is_credited_at_any_cap(cap, seed):
     # At cap 90 the idle floor is 11 ms: a hold 20-40 ms over would lose the rest.
-    run_s, held_s = drive(DutyPacer(), random.Random(seed), 20.0, cap,
-                          sync_every=(0.002, 0.012), release_late=(0.02, 0.04))
-    share = 100.0 * run_s / (run_s + held_s)
+    share = run_share(cap, seed, release_late=(0.02, 0.04))
     assert abs(share - cap) <= 2.0, share
 
 

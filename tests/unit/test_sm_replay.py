@@ -154,15 +154,25 @@ def test_capped_replay(key, cap):
 SEEN_AFTER_S = 0.008
 
 
-@pytest.mark.parametrize("cap", CAPS)
-@pytest.mark.parametrize("key", sorted(k for k in RECORDINGS if RECORDINGS[k][0] == "trace"))
-def test_capped_replay_with_stops_seen_late(key, cap):
+TRACE_KEYS = sorted(k for k in RECORDINGS if RECORDINGS[k][0] == "trace")
+
+
+def against_on_time(key: str, cap: int, **kw) -> tuple[replay.Report, replay.Report]:
+    """A recorded loop paced by time, replayed with `kw` and on time; both
+    fail open."""
     rec = workload(key)[0]
     if expectation(key, rec) != "duty" or rec.loop_start is None:
         pytest.skip("paced by time over a timed loop only")
-    rep, on_time = capped(key, cap, SEEN_AFTER_S), capped(key, cap)
+    rep, on_time = capped(key, cap, **kw), capped(key, cap)
     print(rep.line())
     assert rep.loop_below_longest_s <= FAIL_OPEN_S, rep.line()
+    return rep, on_time
+
+
+@pytest.mark.parametrize("cap", CAPS)
+@pytest.mark.parametrize("key", TRACE_KEYS)
+def test_capped_replay_with_stops_seen_late(key, cap):
+    rep, on_time = against_on_time(key, cap, seen_after=SEEN_AFTER_S)
     # Counted from the stop, as if seen at once (uncorrected: 2-3 points under)
     assert abs(100 * rep.loop_mean - 100 * on_time.loop_mean) <= 1.0, (on_time.line(), rep.line())
 
@@ -174,14 +184,9 @@ LATE_BY_S = 0.08
 
 
 @pytest.mark.parametrize("cap", CAPS)
-@pytest.mark.parametrize("key", sorted(k for k in RECORDINGS if RECORDINGS[k][0] == "trace"))
+@pytest.mark.parametrize("key", TRACE_KEYS)
 def test_capped_replay_with_late_releases(key, cap):
-    rec = workload(key)[0]
-    if expectation(key, rec) != "duty" or rec.loop_start is None:
-        pytest.skip("paced by time over a timed loop only")
-    rep, on_time = capped(key, cap, late_by=LATE_BY_S, tick=SLOW_TICK_S), capped(key, cap)
-    print(rep.line())
-    assert rep.loop_below_longest_s <= FAIL_OPEN_S, rep.line()
+    rep, on_time = against_on_time(key, cap, late_by=LATE_BY_S, tick=SLOW_TICK_S)
     # A hold's overrun is credited: the group runs as long later (with the
     # overrun held to the idle floor: 2-2.5 points under at cap 75)
     assert abs(100 * rep.loop_mean - 100 * on_time.loop_mean) <= 2.0, (on_time.line(), rep.line())
