@@ -49,8 +49,10 @@ Output: --out/suite.jsonl: every workload line, tagged with "run", "kind"
 "ref" (the label of the uncapped run it is compared with); NVML device
 utilization samples ({"nvml": ...}, every 0.5 s, tagged with the run then
 timed and "rt", seconds since its start); one {"run_end": ...} line per run
-{"exit": ...} with each process's exit status, and {"skipped": ...} for
-runs left out. Workload stderr: --out/logs/.
+{"exit": ...} with each process's exit status, {"stopped": run, "side",
+"share": [...]} per capped process (the share of each second since the run's
+start it spent stopped, read from /proc every STOP_SAMPLE_S), and
+{"skipped": ...} for runs left out. Workload stderr: --out/logs/.
 """
 from __future__ import annotations
 
@@ -70,6 +72,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 WDIR = os.environ.get("SUITE_WORKLOAD_DIR") or os.path.join(HERE, "workloads")
 ALL = ["cnn_train", "llm_decode", "llm_prefill", "graph_replay", "jax_train", "triton_loop", "phased"]
 PY = sys.executable
+STOP_SAMPLE_S = 0.002     # how often a capped process's state is read
 
 
 @dataclass
@@ -116,6 +119,7 @@ class Suite:
         # rates on different CPUs); the next run imports on spare ones.
         self.cpus = {"a": {2, 3, 4, 5}, "b": {6, 7, 8, 9}, "spare": set(range(10, ncpu))} if pin else None
         self.stop_nvml = threading.Event()
+        self.stopped: dict[tuple[str, str], list[list[int]]] = {}   # (run, side) -> [[samples, stopped]] per s
 
     # --- output -----------------------------------------------------------
     def write(self, obj: dict) -> None:
@@ -258,6 +262,7 @@ class Suite:
         if churn:
             churn.join(30)
         self.current = None
+        self.write_stopped(run)
         res = []
         for p in run.procs:
             s = p.summary or {}
@@ -339,6 +344,36 @@ class Suite:
                 obj.update(run=run.label, rt=round(time.monotonic() - run.t_start, 2))
             self.write(obj)
 
+    def stop_sampler(self) -> None:
+        """How much of each second a capped process spent stopped, read from
+        /proc/PID/stat every STOP_SAMPLE_S: what the holds really took, beside
+        what the daemon's books say."""
+        while not self.stop_nvml.wait(STOP_SAMPLE_S):
+            run = self.current
+            if run is None or run.t_start is None:
+                continue
+            sec = int(time.monotonic() - run.t_start)
+            for p in run.procs:
+                if p.cap is None or p.popen is None:
+                    continue
+                try:
+                    with open(f"/proc/{p.popen.pid}/stat") as f:
+                        state = f.read().rsplit(")", 1)[1].split()[0]
+                except (OSError, IndexError):
+                    continue
+                per_s = self.stopped.setdefault((run.label, p.side), [])
+                while len(per_s) <= sec:
+                    per_s.append([0, 0])
+                per_s[sec][0] += 1
+                per_s[sec][1] += state in ("T", "t")
+
+    def write_stopped(self, run: Run) -> None:
+        for p in run.procs:
+            per_s = self.stopped.pop((run.label, p.side), None)
+            if per_s:
+                self.write({"stopped": run.label, "side": p.side,
+                            "share": [round(st / n, 3) if n else None for n, st in per_s]})
+
     # --- plan ---------------------------------------------------------------
     def plan(self) -> list[Run]:
         a = self.a
@@ -406,6 +441,7 @@ class Suite:
                     "workloads": a.workloads, "caps": a.caps, "pairs": a.pairs, "splits": a.splits,
                     "sections": a.sections, "pin": bool(self.cpus)})
         threading.Thread(target=self.nvml, daemon=True).start()
+        threading.Thread(target=self.stop_sampler, daemon=True).start()
         try:
             todo = list(runs)
             prev = None

@@ -40,6 +40,7 @@ def load(path):
     meta, summaries, nvml = {}, {}, defaultdict(list)
     suite = {}
     skipped, exits, churn, ends = [], [], {}, {}
+    stopped = {}                      # (run, side) -> share of each second spent stopped
     for raw in open(path):
         raw = raw.strip()
         if not raw.startswith("{"):
@@ -59,6 +60,8 @@ def load(path):
             exits.append(o)
         elif "churners" in o:
             churn[o["run"]] = o
+        elif "stopped" in o:
+            stopped[(o["stopped"], o["side"])] = o["share"]
         elif "run_end" in o:
             ends[o["run_end"]] = o
         elif o.get("summary"):
@@ -67,7 +70,7 @@ def load(path):
             series[(o["run"], o["side"])].append(o)
             meta[(o["run"], o["side"])] = {k: o.get(k) for k in ("run", "kind", "cap", "group", "side", "ref", "w",
                                                                    "unit")}
-    return series, meta, summaries, nvml, skipped, exits, churn, ends, suite
+    return series, meta, summaries, nvml, skipped, exits, churn, ends, suite, stopped
 
 
 def phase_rates(lines, skip):
@@ -159,7 +162,7 @@ def main():
     ap.add_argument("--skip", type=float, default=5.0)
     ap.add_argument("--tol", type=float, default=5.0)
     a = ap.parse_args()
-    series, meta, summaries, nvml, skipped, exits, churn, ends, suite = load(a.jsonl)
+    series, meta, summaries, nvml, skipped, exits, churn, ends, suite, stopped = load(a.jsonl)
     run_s = suite.get("seconds", 1e9)
     ref_of = {}                       # reference label -> its lines (side a)
     for (run, side), m in meta.items():
@@ -190,6 +193,12 @@ def main():
         row = {**m, **res, "gpu_util": round(statistics.mean(util), 1) if util else None,
                "sm_mhz": round(statistics.mean(mhz)) if mhz else None,
                "gpu_setup_s": summ.get("gpu_setup_s"), "import_s": summ.get("import_s")}
+        share = [v for v in stopped.get(key, [])[int(skip):int(run_s)] if v is not None]
+        if share:
+            row["stopped"] = round(100 * statistics.mean(share), 1)
+            if res.get("ratio") is not None and row["stopped"] < 100:
+                # progress per second it was let run, against the reference's
+                row["per_running_s"] = round(100 * res["ratio"] / (100 - row["stopped"]), 1)
         if m["kind"] == "service" and m["run"] in churn:
             row["churners"] = churn[m["run"]]["churners"]
         rows.append(row)
@@ -226,6 +235,9 @@ def main():
                 notes.append(f"alone at the same cap {alone[0]['ratio']:.1f}%")
         if r.get("skip_s") != a.skip:
             notes.append("short: every interval counted")
+        if r.get("stopped") is not None:
+            notes.append(f"stopped {r['stopped']:.1f}% of the time"
+                         + (f", {r['per_running_s']:.0f}% speed while running" if r.get("per_running_s") else ""))
         if r.get("sm_mhz") is not None:
             notes.append(f"SM clock {r['sm_mhz']} MHz")
         if r.get("gpu_setup_s") is not None:
