@@ -170,6 +170,11 @@ class _Key:
         return (100.0 - c) / c
 
 
+def _ran_since(k: _Key, mark: tuple, now: float) -> float:
+    """Seconds the group ran (wall time less time held) since a sync mark."""
+    return (now - mark[0]) - (k.held_s - mark[2])
+
+
 def _sync_rate(k: _Key, now: float) -> float:
     # Per second of running: a held group does not synchronize, and its rate
     # over wall time would fall under UNPACED_HZ at low caps, handing it back
@@ -177,7 +182,7 @@ def _sync_rate(k: _Key, now: float) -> float:
     marks = k.sync_marks
 
     def ran(m: tuple) -> float:
-        return (now - m[0]) - (k.held_s - m[2])
+        return _ran_since(k, m, now)
     while len(marks) > 1 and (ran(marks[1]) >= SYNC_WINDOW_S
                               or now - marks[1][0] >= RATE_WALL_S):
         marks.popleft()
@@ -198,7 +203,7 @@ def _probe_share(k: _Key, now: float, u: Use, probe_s: float) -> float:
     if probe_s <= 0 or not k.sync_marks:
         return 0.0
     m = k.sync_marks[0]
-    ran = (now - m[0]) - (k.held_s - m[2])
+    ran = _ran_since(k, m, now)
     if ran < SYNC_WINDOW_S / 2 or u.launches < m[3] or u.sync_s < m[4]:
         return 0.0
     if (u.sync_s - m[4]) >= WAITED_SHARE * ran:
