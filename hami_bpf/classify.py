@@ -12,7 +12,7 @@ import hashlib
 from dataclasses import dataclass, field
 
 from . import abi, containers, procfs
-from .limits import EnvLimits, clipped, parse_env_limits, visible_entries, visible_to_physical
+from .limits import EnvLimits, EnvProblem, clipped, parse_env_limits, visible_entries, visible_to_physical
 
 # Longest group name kept as is; a longer one (an env:NAME value, say) is cut
 # and made unique again by a hash of the whole.
@@ -85,7 +85,8 @@ class Classified:
     phys: list[int] = field(default_factory=lambda: list(range(abi.MAX_DEVS)))
     labels: dict[str, str] = field(default_factory=dict)
     ns_pid: int | None = None
-    problems: list[str] = field(default_factory=list)    # malformed values, ignored
+    problems: list[EnvProblem] = field(default_factory=list)    # malformed values, ignored
+    environ_cut: bool = False    # its environment was read up to ENVIRON_MAX bytes only
     failed: list[str] = field(default_factory=list)      # steps that raised: inputs not used
     reasons: list[str] = field(default_factory=list)
 
@@ -111,8 +112,7 @@ def classify(pid: int, alive: bool, *, group_by: str, env_limits: bool,
 
     got = step("environment", lambda: read_environ(pid))
     env, cut = got if got is not None else ({}, False)
-    if cut:
-        c.problems.append(f"environment longer than {ENVIRON_MAX} bytes: read up to there")
+    c.environ_cut = cut
     if env_limits and env and "environment" not in c.failed:
         parsed = step("limits", lambda: parse_env_limits(env))
         if parsed is not None:

@@ -136,7 +136,12 @@ TYPES: tuple[EventType, ...] = (
               "pid {pid}: a refused allocation of {size} bytes on device {device} returned "
               "success (resumed before its answer, or the kernel did not take the refusal); "
               "charged to its group"),
-    EventType(K.CONFIG, "env_ignored", ("pid", "problem"), "pid {pid}: {problem} (ignored)"),
+    EventType(K.CONFIG, "env_ignored", ("pid", "variable", "value", "reason"),
+              "pid {pid}: {variable}={value}: {reason} (ignored)"),
+    EventType(K.CONFIG, "env_ignored_more", ("pid", "count"),
+              "pid {pid}: {count} more malformed variables (ignored)"),
+    EventType(K.CONFIG, "env_cut", ("pid", "limit"),
+              "pid {pid}: environment longer than {limit} bytes: read up to there"),
     EventType(K.ERROR, "classify_failed", ("pid", "group", "classify_failed", "reasons"),
               lambda d: f"pid {d['pid']}: classifying it failed ({'; '.join(d['reasons'])}); "
                         f"tracked in group {d['group']!r} with the policy's limits only"),

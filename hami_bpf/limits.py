@@ -221,14 +221,26 @@ class EnvLimits:
 _PER_DEVICE_RE = re.compile(r"(0|[1-9][0-9]*)")
 
 
-def parse_env_limits(environ: Mapping[str, str]) -> tuple[EnvLimits, list[str]]:
+@dataclass(frozen=True)
+class EnvProblem:
+    """One malformed variable of a process environment, ignored. Name and
+    value are clipped: a workload chooses them."""
+    name: str
+    value: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.name}={self.value}: {self.reason}"
+
+
+def parse_env_limits(environ: Mapping[str, str]) -> tuple[EnvLimits, list[EnvProblem]]:
     """Read the HAMi variables from a process environment. Never raises: each
     malformed variable is skipped (its neighbours still apply) and described
-    in the returned list as "NAME=value: reason"."""
-    problems: list[str] = []
+    in the returned list."""
+    problems: list[EnvProblem] = []
 
     def bad(name: str, value: str, reason: str) -> None:
-        problems.append(f"{clipped(name)}={clipped(value)}: {reason}")
+        problems.append(EnvProblem(clipped(name), clipped(value), reason))
 
     def size(name: str) -> int | None:
         value = environ[name]

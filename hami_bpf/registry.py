@@ -17,7 +17,7 @@ from typing import Callable
 
 from . import abi, enforce
 from .actions import ClearSlot, Compacted, CreateGroup, DeleteGroup, ReleaseProcess, WriteSlot
-from .classify import PROBLEMS_SHOWN, classify, proc_comm
+from .classify import ENVIRON_MAX, PROBLEMS_SHOWN, classify, proc_comm
 from .events import (MemoryAllocated, MemoryFreed, ProcessExited, ProcessRegistered, ProcKey,
                      UsageObserved)
 from .limits import EnvLimits, clipped
@@ -84,11 +84,13 @@ class ProcessRegistry:
         devices = self._devices()
         c = classify(pid, st is not None, group_by=self._group_by(), env_limits=self.env_limits,
                      uuid_to_index=lambda: devices.uuid_to_index, pod_names=self.pod_names)
-        shown = c.problems[:PROBLEMS_SHOWN]
-        if len(c.problems) > len(shown):
-            shown.append(f"{len(c.problems) - len(shown)} more malformed variables")
-        for msg in shown:
-            self._record("config", "env_ignored", pid=pid, problem=msg)
+        if c.environ_cut:
+            self._record("config", "env_cut", pid=pid, limit=ENVIRON_MAX)
+        for prob in c.problems[:PROBLEMS_SHOWN]:
+            self._record("config", "env_ignored", pid=pid, variable=prob.name, value=prob.value,
+                         reason=prob.reason)
+        if len(c.problems) > PROBLEMS_SHOWN:
+            self._record("config", "env_ignored_more", pid=pid, count=len(c.problems) - PROBLEMS_SHOWN)
         group = c.group
         key = ProcKey(pid, st if st is not None else 0)
         self.info[pid] = ProcInfo(c.env, c.phys, c.ns_pid, labels=c.labels, cvd=c.cvd)

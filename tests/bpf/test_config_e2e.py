@@ -168,7 +168,8 @@ class TestEnvLimits:
             for p in (t, u):
                 assert any((e["kind"], e["what"]) == ("config", "env_ignored")
                            and e["data"]["pid"] == p.pid
-                           and "CUDA_DEVICE_MEMORY_LIMIT=12x" in e["data"]["problem"]
+                           and (e["data"]["variable"], e["data"]["value"])
+                           == ("CUDA_DEVICE_MEMORY_LIMIT", "12x")
                            for e in evs), \
                     [e["message"] for e in evs if e["kind"] == "config"]
             # policy limit on device 0 still applies (12x did not lift it)

@@ -54,7 +54,8 @@ POLICY = '[default]\nmemory = "1Gi"\nsm = 50\n'
 def test_a_5000_digit_value_is_malformed_not_an_error(name):
     limits, problems = parse_env_limits({name: HUGE})
     if name != "CUDA_VISIBLE_DEVICES":
-        assert len(problems) == 1 and len(problems[0]) < 300
+        assert len(problems) == 1 and len(str(problems[0])) < 300
+        assert problems[0].name == name
     assert limits.memory is None and not limits.memory_per_device
     assert limits.sm is None and not limits.sm_per_device
     assert limits.priority is None
@@ -119,7 +120,7 @@ environments = st.dictionaries(env_names, env_values, max_size=8)
 @given(environments)
 def test_env_parsing_never_raises_and_only_lowers_the_policy(env):
     limits, problems = parse_env_limits(env)
-    assert all(isinstance(p, str) and len(p) < 1000 for p in problems)
+    assert all(len(p.name) + len(p.value) < 1000 and p.reason for p in problems)
     policy = load_policy(POLICY, "p")
     for dev in range(2):
         vis = physical_to_visible(dev, env.get("CUDA_VISIBLE_DEVICES"), {})

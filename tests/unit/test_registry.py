@@ -13,6 +13,7 @@ from hami_bpf import abi, enforce
 from hami_bpf.counters import Counters
 from hami_bpf.devices import Devices
 from hami_bpf.eventlog import EventLog
+from hami_bpf.classify import PROBLEMS_SHOWN
 from hami_bpf.registry import ProcessRegistry
 
 
@@ -220,3 +221,25 @@ def test_the_reaper_releases_a_process_whose_pid_was_reused(w, proc):
     w.reg.reap()
     assert w.reg.table.process(p) is None and w.counters["reaped"] == 1
     assert w.watch.housekept == 1
+
+
+def test_malformed_variables_are_events_with_their_fields_the_rest_counted(w, proc):
+    env = {"G": "train", "CUDA_DEVICE_MEMORY_LIMIT": "12x"}
+    env.update({f"CUDA_DEVICE_SM_LIMIT_{i}": "150" for i in range(PROBLEMS_SHOWN + 2)})
+    p = proc.spawn(21, env)
+    w.reg.register(p, 0)
+    got = w.events("config")
+    ignored = [d for what, d in got if what == "env_ignored"]
+    assert len(ignored) == PROBLEMS_SHOWN
+    assert any((d["variable"], d["value"]) == ("CUDA_DEVICE_MEMORY_LIMIT", "12x") for d in ignored)
+    assert all(d["pid"] == p and d["reason"] for d in ignored)
+    assert ("env_ignored_more", {"pid": p, "count": 3}) in got
+    assert slots(w, "train") == [p]       # still registered, in its group
+
+
+def test_an_environment_cut_at_its_bound_is_said_once(w, proc, monkeypatch):
+    from hami_bpf import classify
+    monkeypatch.setattr(classify, "read_environ", lambda pid: ({"G": "train"}, True))
+    p = proc.spawn(22, {"G": "train"})
+    w.reg.register(p, 0)
+    assert w.events("config") == [("env_cut", {"pid": p, "limit": classify.ENVIRON_MAX})]
