@@ -76,6 +76,7 @@ LEARN_FROM = 0.4      # fraction of the learning window ignored (queue filling)
 LEARN_MAX_S = 3.0     # of launching without a synchronize: use the host-side rate
 HOST_WINDOW_S = 1.0   # the host-side rate is measured over this long
 SUSTAINED = 0.8       # ... once the group launched in every tick of this part of it
+LEARN_IDLE_S = 0.5    # learning: this long with nothing launched or left to complete starts it over
 LEARN_GIVEUP_S = 10.0  # or after this long launching, sustained or not
 LEARN_SHARED_S = 5.0  # next to a busy group: wait this long at most for a steady pace
 STEADY_TOL = 0.15
@@ -154,6 +155,8 @@ class Budget:
     turn_short_before: int = 0      # turn_short at the reading before
     turn_gain: float = 1.0          # what turn_gains() scaled its full rate by, in all
     alone_since: float | None = None  # when it began learning with its device's capped groups held
+    idle_since: float | None = None   # learning: nothing launched or outstanding since
+    restarts: int = 0                 # learning started over after an idle spell
 
     @property
     def learning(self) -> bool:
@@ -324,6 +327,30 @@ def _learned(b: Budget, pace: float, since: float, until: float, consumed: int) 
     return b.granted
 
 
+def _idle_restart(b: Budget, now: float, dt: float, consumed: int, completed: int | None,
+                  launched: bool) -> bool:
+    """A learning group with nothing launched and nothing left to complete for
+    LEARN_IDLE_S (it waits on a barrier, a peer, a request) starts learning
+    over: a pace measured across the wait would be its work spread over the
+    idle time too, a small fraction of what it does busy, and its cap a share
+    of that (H200: a prefill group that waited 5 s for its neighbour's warm-up
+    learned 1/7000 of its rate). Returns whether it is idle now."""
+    if launched or completed is None or completed < consumed:
+        b.idle_since = None
+        return False
+    if b.idle_since is None:
+        b.idle_since = now - dt
+    if b.active_since is not None and now - b.idle_since >= LEARN_IDLE_S:
+        b.active_since = None
+        b.start_consumed = consumed
+        b.done.clear()
+        b.ticks.clear()
+        b.utils = []
+        b.fresh_since = now
+        b.restarts += 1
+    return b.active_since is None
+
+
 def learn_alone(learners: dict, capped: dict, *, current=None) -> tuple:
     """Which group learning on a device learns there alone now, and which
     capped groups it holds meanwhile: (key, frozenset of keys), or (None,
@@ -487,9 +514,12 @@ def tick(b: Budget, *, now: float, consumed: int, launches: int = 0, completed: 
     if dt <= 0:
         return b.granted
     rate_seen = max(0, consumed - b.last_consumed) / dt
+    launched = consumed > b.last_consumed
     b.last_t, b.last_consumed = now, consumed
 
     if b.rate is None:
+        if _idle_restart(b, now, dt, consumed, completed, launched):
+            return b.granted
         if b.active_since is None:
             if consumed <= b.start_consumed:
                 return b.granted       # nothing launched yet: nothing to learn from

@@ -634,3 +634,45 @@ def test_the_learner_is_never_held_and_holds_none_above_it(learners, others, cur
     assert key in learners and key not in held
     assert all(capped[k] >= learners[key][1] for k in held)
     assert learners[key][1] == min(p for _s, p in learners.values())
+
+
+@pytest.mark.parametrize("wait_s", [0.6, 2.0, 5.0])
+def test_a_wait_while_learning_starts_learning_over(wait_s):
+    # A group warms up (launches that all complete), waits with nothing in
+    # flight (its neighbour's warm-up, a barrier), then runs a steady loop
+    # that synchronizes every 50 ms at 1e6 units/s: the rate it learns is
+    # the loop's, not the loop's spread over the wait.
+    b = Budget(cap=30)
+    t, consumed = 0.0, 0
+    tick(b, now=t, consumed=0, completed=0)
+    for _ in range(6):                      # warm-up: 0.3 s, synchronized at its end
+        t += 0.05
+        consumed += 20_000
+        tick(b, now=t, consumed=consumed, completed=consumed if t >= 0.29 else 0)
+    done = consumed
+    while t < 0.3 + wait_s:                 # waiting: nothing launched, nothing left
+        t += 0.05
+        tick(b, now=t, consumed=consumed, completed=done)
+    assert b.learning
+    while b.learning and t < 0.3 + wait_s + 6.0:
+        t += 0.05
+        consumed += 50_000
+        done = consumed - 50_000            # a step behind: the last one in flight
+        tick(b, now=t, consumed=consumed, completed=done, completed_at=t)
+    assert not b.learning
+    assert b.full_rate == pytest.approx(1e6, rel=0.1)
+    assert b.restarts == 1
+
+
+def test_a_short_pause_while_learning_is_not_a_restart():
+    b = Budget(cap=30)
+    t, consumed = 0.0, 0
+    tick(b, now=t, consumed=0, completed=0)
+    for i in range(60):
+        t += 0.05
+        if i % 10 != 9:                     # a 50 ms pause every 0.5 s, all done before it
+            consumed += 50_000
+        tick(b, now=t, consumed=consumed, completed=consumed, completed_at=t)
+        if not b.learning:
+            break
+    assert not b.learning and b.restarts == 0
