@@ -15,7 +15,10 @@ Against that target, for a group the budget held in the window:
 
 - utilization under target - IDLE_PTS (idle_pts()): the rate was far too
   low. Raised at once, by target / utilization (at least x FAST_MIN, at most
-  x FAST_MAX), so a job never crawls for more than a few windows;
+  x FAST_MAX), so a job never crawls for more than a few windows. Windows
+  idle in a row compound: each raises by its own ratio times the last
+  raise, at most x STREAK_MAX (a rate learned in another phase can be off by
+  10^3-10^4, and x8 a window took 8 s to undo that on the H200);
 - under target - TRIM_PTS: raised by a small step (sqrt of the same ratio,
   at most x TRIM_MAX);
 - over the cap itself + TRIM_PTS, with no other group active on the device:
@@ -47,6 +50,7 @@ MIN_REF = 20.0        # a reference is taken as at least this: one read while th
 IDLE_PTS = 10.0
 TRIM_PTS = 5.0
 FAST_MIN, FAST_MAX = 1.5, 8.0
+STREAK_MAX = 64.0     # idle windows in a row: the raise compounds up to this
 TRIM_MAX = 1.25
 LOWER_MAX = 1.25
 
@@ -95,16 +99,20 @@ class Guard:
         self._w: dict[tuple[int, int], _Window] = {}
         # (first reading offered, sum, readings taken) while it runs free
         self._ref: dict[tuple[int, int], tuple[float, float, int]] = {}
+        self._streak: dict[tuple[int, int], float] = {}   # the last window's idle raise
 
     def forget(self, key: tuple[int, int]) -> None:
         self._w.pop(key, None)
         self._ref.pop(key, None)
+        self._streak.pop(key, None)
 
     def forget_group(self, group_index: int) -> None:
         for key in [k for k in self._w if k[0] == group_index]:
             del self._w[key]
         for key in [k for k in self._ref if k[0] == group_index]:
             del self._ref[key]
+        for key in [k for k in self._streak if k[0] == group_index]:
+            del self._streak[key]
 
     def reference(self, key: tuple[int, int], util: float | None, now: float) -> None:
         """A reading while the group runs free (its budget learning). NVML's
@@ -143,6 +151,7 @@ class Guard:
         if now - w.start < WINDOW_S:
             return None
         self._w[key] = _Window(start=now, last=now)
+        last_raise = self._streak.pop(key, 1.0)
         span = now - w.start
         if w.readings < MIN_READINGS or w.held_s < MIN_HELD * span:
             return None
@@ -150,8 +159,9 @@ class Guard:
         t = self.target(key, cap)
         ratio = t / max(u, 1.0)
         if u < t - idle_pts(t):
-            return Correction(Reason.HELD_WHILE_IDLE, min(max(ratio, FAST_MIN), FAST_MAX),
-                              u, t, cap, source)
+            gain = min(min(max(ratio, FAST_MIN), FAST_MAX) * last_raise, STREAK_MAX)
+            self._streak[key] = gain
+            return Correction(Reason.HELD_WHILE_IDLE, gain, u, t, cap, source)
         if u < t - TRIM_PTS:
             return Correction(Reason.UNDER_CAP, min(math.sqrt(ratio), TRIM_MAX), u, t, cap, source)
         if u > cap + TRIM_PTS and not w.shared:

@@ -80,7 +80,24 @@ def test_never_lowers_a_group_under_its_cap_and_never_raises_one_over_it(cap, ut
         assert util > cap and not shared
     else:
         assert util < c.target
-    assert 1 / guard.LOWER_MAX <= c.gain <= guard.FAST_MAX
+    assert 1 / guard.LOWER_MAX <= c.gain <= guard.FAST_MAX   # one window: no streak
+
+
+def test_idle_windows_in_a_row_compound_their_raises_up_to_a_bound():
+    # A rate 10^4 too low (learned in another phase): x6, x36, then x64 a
+    # window, where x6 a window took the whole run.
+    g = Guard()
+    step = guard.WINDOW_S + 0.1
+    gains = [run_window(g, cap=30, util=1.0, start=k * step).gain for k in range(5)]
+    assert gains == [guard.FAST_MAX] + [guard.STREAK_MAX] * 4
+    g = Guard()
+    gains = [run_window(g, cap=30, util=6.0, start=k * step).gain for k in range(4)]
+    assert gains == [5.0, 25.0, guard.STREAK_MAX, guard.STREAK_MAX]
+    # Windows that are not idle end the streak (the first may still hold an
+    # idle reading): the next idle one starts over.
+    run_window(g, cap=30, util=29.0, start=4 * step)
+    assert run_window(g, cap=30, util=29.0, start=5 * step) is None
+    assert run_window(g, cap=30, util=6.0, start=6 * step).gain <= guard.FAST_MAX
 
 
 @given(utils=st.lists(st.floats(0, 100), min_size=1, max_size=30), cap=st.floats(5, 90))
