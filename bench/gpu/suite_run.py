@@ -8,7 +8,8 @@ invocation needs first, with no SM cap anywhere (so no launch probe either),
 then the capped runs; per-workload runs each workload's reference right
 before its capped runs, waiting for the capped processes before it to exit.
 
-Sections (SECTIONS, default "single service pair"):
+Sections (SECTIONS, default "single service pair"; run in the order named, so
+a budget too short for all of them leaves out the last):
   single   per workload: an uncapped reference (group base-<w>) and one run per
            cap in CAPS, each in its own group (cap<c>-<w>, CUDA_DEVICE_SM_LIMIT=<c>)
   service  llm_decode capped at SERVICE_CAP (50) while short-lived members of
@@ -399,12 +400,13 @@ class Suite:
                 ([w for p in a.pairs for w in p.split(":")] if "pair" in a.sections else [])
             for w in needed:
                 ensure_ref(w)
-        if "single" in a.sections:
+        def add_single() -> None:
             for w in a.workloads:
                 ensure_ref(w)
                 for c in a.caps:
                     runs.append(single(w, c, "cap"))
-        if "service" in a.sections:
+
+        def add_service() -> None:
             ensure_ref("llm_decode")
             label = self.group(f"svc{a.service_cap}-llm_decode")
             procs = [Proc("llm_decode", label, a.service_cap, "a", None)]
@@ -412,14 +414,16 @@ class Suite:
                 procs.append(Proc("llm_decode", self.group(f"{label}-twin"), None, "b", None))
             r = Run(label, "service", procs, ref={"llm_decode": refs["llm_decode"]}, churn=True)
             runs.append(r)
-        if "twin" in a.sections:
+
+        def add_twin() -> None:
             for w in a.twins:
                 for c in [None] + a.caps:
                     label = self.group(f"twin{'free' if c is None else c}-{w}")
                     procs = [Proc(w, self.group(f"{label}-a"), c, "a", None),
                              Proc(w, self.group(f"{label}-b"), None, "b", None)]
                     runs.append(Run(label, "twin", procs))
-        if "pair" in a.sections:
+
+        def add_pair() -> None:
             for i, pair in enumerate(a.pairs):
                 wa, wb = pair.split(":")
                 ensure_ref(wa)
@@ -430,6 +434,12 @@ class Suite:
                     procs = [Proc(wa, self.group(f"p{i}-{ca}-{wa}"), ca, "a", None),
                              Proc(wb, self.group(f"p{i}-{cb}-{wb}"), cb, "b", None)]
                     runs.append(Run(label, "pair", procs, ref={wa: refs[wa], wb: refs[wb]}))
+
+        # In the order SECTIONS names them: what a short budget leaves out
+        # is what comes last.
+        add = {"single": add_single, "service": add_service, "twin": add_twin, "pair": add_pair}
+        for name in dict.fromkeys(a.sections):
+            add[name]()
         return runs
 
     def main(self) -> int:
@@ -521,6 +531,9 @@ def main() -> int:
     a.pairs = words("PAIRS", "cnn_train:llm_decode" if quick else "cnn_train:llm_decode llm_prefill:cnn_train")
     a.splits = words("SPLITS", "30:70" if quick else "30:70 50:50")
     a.sections = words("SECTIONS", "single service pair")
+    unknown = [x for x in a.sections if x not in ("single", "service", "twin", "pair")]
+    if unknown:
+        ap.error(f"SECTIONS: unknown {' '.join(unknown)} (single, service, twin, pair)")
     a.service_cap = int(os.environ.get("SERVICE_CAP", "50"))
     a.twins = words("TWINS", "llm_decode")
     a.order = os.environ.get("ORDER", "refs-first")
