@@ -162,6 +162,10 @@ TYPES: tuple[EventType, ...] = (
     EventType(K.THROTTLE, "learned",
               ("group", "device", "cap", "full_rate", "pace", "work_per_unit", "contended",
                "launcher_bound", "probe_share", "by_completion", "queued"), _learned),
+    EventType(K.THROTTLE, "learn_restarted", ("group", "device", "sm_correction", "idle_s"),
+              "group {group!r} device {device}: nothing launched or in flight for "
+              "{idle_s:g} s while it learned its rate: learning starts over "
+              "({sm_correction})"),
     EventType(K.THROTTLE, "lending", ("group", "device", "lending"),
               lambda d: f"group {d['group']!r} device {d['device']}: " + (
                   "may use what is idle (no busy group of higher or equal priority)"

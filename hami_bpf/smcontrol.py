@@ -25,9 +25,9 @@ from . import abi, enforce
 from .limits import HAMI_DEFAULT_PRIORITY
 from .sm import duty, guard
 from .sm.turntable import TurnTable
-from .throttle import (BUSY_S, LEARN_ALONE_S, UNLIMITED, Budget, Completions, completion_rate,
-                       correct_rate, held_to_cap, learn_alone, neighbours, next_edge,
-                       tick as budget_tick)
+from .throttle import (BUSY_S, LEARN_ALONE_S, LEARN_IDLE_S, UNLIMITED, Budget, Completions,
+                       completion_rate, correct_rate, held_to_cap, learn_alone, neighbours,
+                       next_edge, tick as budget_tick)
 
 log = logging.getLogger("hami_bpf")
 
@@ -338,11 +338,15 @@ class SmControl:
                     # Not launching here, it runs on as its other devices allow.
                     room = room and not consumed
                     continue
-                was_learning = b.learning
+                was_learning, restarts = b.learning, b.restarts
                 granted = budget_tick(b, now=now, consumed=consumed, launches=n_launch,
                                       completed=completed or None, sync_ns=sync_ns,
                                       completed_at=done_ns / 1e9 if done_ns else None,
                                       device=share.get(key), turn=self.turns.get(key))
+                if b.restarts != restarts:
+                    self.counters["sm_corrections_learn_idle"] += 1
+                    self.record("throttle", "learn_restarted", group=group, device=dev,
+                                sm_correction="learn_idle", idle_s=LEARN_IDLE_S)
                 if was_learning and not b.learning:
                     self.record("throttle", "learned", group=group, device=dev, cap=cap,
                                 full_rate=b.full_rate, pace=b.pace,

@@ -27,6 +27,10 @@ class FakeProbes:
         self.launch_probes = 0                # launch probes attached
         self.launch_counts: dict[int, int] = {}
         self.stat_values: dict[str, int] = {}
+        # (group index, device) -> (consumed, launches, completed, sync_ns,
+        # completed_ns, syncs), as sm_use holds them; the grants written.
+        self.sm_uses: dict[tuple[int, int], tuple[int, int, int, int, int, int]] = {}
+        self.grants: dict[tuple[int, int], tuple[int, bool]] = {}
 
     def gate_waiting(self):
         return sorted(self.gate_wait)
@@ -81,7 +85,16 @@ class FakeProbes:
         pass
 
     def delete_sm_grant(self, gi, dev):
-        pass
+        self.grants.pop((gi, dev), None)
+
+    def sm_use(self):
+        return dict(self.sm_uses)
+
+    def sync_waiting(self):
+        return {}
+
+    def set_sm_grant(self, gi, dev, granted, held, checkpoint=True):
+        self.grants[(gi, dev)] = (granted, held)
 
     def stats(self):
         return dict(self.stat_values)

@@ -144,6 +144,28 @@ def test_an_sm_hold_stops_the_peers_and_resumes_each_exactly_once(daemon, proc):
     assert records(d, "error")[-1]["error"] == "RuntimeError"
 
 
+def test_a_group_that_waits_while_it_learns_starts_over_and_says_so(daemon, proc):
+    d = daemon
+    p = proc.spawn(751, {"G": "pre"})
+    alloc(d, p, 4096, 0x1000)
+    d.sm.sm_caps["pre"] = {0: 30}
+    gi = d.registry.table.group("pre").index
+    t, consumed = 100.0, 0
+    for _ in range(6):                  # warm-up: launches that all complete
+        t += 0.05
+        consumed += 10_000
+        d.probes.sm_uses[(gi, 0)] = (consumed, consumed // 100, consumed, 0, int(t * 1e9), 1)
+        d.sm.tick(t)
+    assert not [e for e in d.log if e.what == "learn_restarted"]
+    for _ in range(20):                 # a 1 s wait with nothing in flight
+        t += 0.05
+        d.sm.tick(t)
+    (r,) = records(d, "throttle")
+    assert r["group"] == "pre" and r["device"] == 0 and r["sm_correction"] == "learn_idle"
+    assert d.counters["sm_corrections_learn_idle"] == 1
+    assert d.sm.budgets[(gi, 0)].learning
+
+
 def test_lost_allocation_events_are_corrected_from_the_kernel(daemon, proc):
     d = daemon
     p = proc.spawn(801, {"G": "g"})
