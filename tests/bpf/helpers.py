@@ -225,6 +225,15 @@ def remove_pin_dirs() -> None:
         remove_pin_dir(path)
 
 
+def _default_stops() -> None:
+    """In the daemon's child: SIGINT and SIGQUIT back at their defaults. A
+    test run started in the background by a shell without job control
+    inherits them ignored, and the daemon keeps an inherited ignore (as
+    nohup expects), so the signal tests would test the shell instead."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+
+
 class Daemon:
     """`hami-bpf run` as a foreground subprocess with a private socket and state dir.
 
@@ -278,7 +287,7 @@ class Daemon:
             # the daemon exits (probes.Probes.close) is found by it.
             self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL,
                                          stdout=err, stderr=err, close_fds=True,
-                                         start_new_session=True)
+                                         start_new_session=True, preexec_fn=_default_stops)
         finally:
             err.close()
         t0 = time.monotonic()
