@@ -229,9 +229,6 @@ class EnvProblem:
     value: str
     reason: str
 
-    def __str__(self) -> str:
-        return f"{self.name}={self.value}: {self.reason}"
-
 
 def parse_env_limits(environ: Mapping[str, str]) -> tuple[EnvLimits, list[EnvProblem]]:
     """Read the HAMi variables from a process environment. Never raises: each

@@ -119,7 +119,7 @@ class Suite:
         # Timed processes on fixed CPUs (launch-bound loops run at different
         # rates on different CPUs); the next run imports on spare ones.
         self.cpus = {"a": {2, 3, 4, 5}, "b": {6, 7, 8, 9}, "spare": set(range(10, ncpu))} if pin else None
-        self.stop_nvml = threading.Event()
+        self.stop_samplers = threading.Event()
         self.stopped: dict[tuple[str, str], list[list[int]]] = {}   # (run, side) -> [[samples, stopped]] per s
 
     # --- output -----------------------------------------------------------
@@ -328,7 +328,7 @@ class Suite:
         except Exception as e:  # noqa: BLE001 - the suite runs without it
             self.write({"nvml_error": str(e)[:300]})
             return
-        while not self.stop_nvml.wait(0.5):
+        while not self.stop_samplers.wait(0.5):
             try:
                 u = pynvml.nvmlDeviceGetUtilizationRates(h)
                 mem = pynvml.nvmlDeviceGetMemoryInfo(h)
@@ -349,7 +349,7 @@ class Suite:
         """How much of each second a capped process spent stopped, read from
         /proc/PID/stat every STOP_SAMPLE_S: what the holds really took, beside
         what the daemon's books say."""
-        while not self.stop_nvml.wait(STOP_SAMPLE_S):
+        while not self.stop_samplers.wait(STOP_SAMPLE_S):
             run = self.current
             if run is None or run.t_start is None:
                 continue
@@ -499,7 +499,7 @@ class Suite:
                 self.execute(run, nxt)
                 prev = run
         finally:
-            self.stop_nvml.set()
+            self.stop_samplers.set()
             self.cleanup()
         self.say("done")
         return 0

@@ -23,8 +23,9 @@ The host row runs the same tests directly (the host's own kernel is not booted).
 `--fetch-only` does steps 1-2 and stops (.ci/run runs it in the background
 while the host's tests run). A guest that fails to boot (no /init, or init.sh
 could not hand over to guest.sh) is booted once more, and one whose kernel
-tripped over its own text patching (patching_oops) up to MAX_BOOTS times in all; a test that fails is not retried, and the row says when it
-ran again and why. How long each step took goes to results/timings.txt.
+tripped over its own text patching (patching_oops) up to MAX_BOOTS times in
+all; a test that fails is not retried, and the row says when it ran again
+and why. How long each step took goes to results/timings.txt.
 
 Prints a table kernel x mechanism -> passed / skipped (reason) / failed and
 writes it to /var/cache/hami-bpf/kernels/results/table.md. Exit status 1 if any test

@@ -54,7 +54,8 @@ POLICY = '[default]\nmemory = "1Gi"\nsm = 50\n'
 def test_a_5000_digit_value_is_malformed_not_an_error(name):
     limits, problems = parse_env_limits({name: HUGE})
     if name != "CUDA_VISIBLE_DEVICES":
-        assert len(problems) == 1 and len(str(problems[0])) < 300
+        p = problems[0]
+        assert len(problems) == 1 and len(f"{p.name}={p.value}: {p.reason}") < 300
         assert problems[0].name == name
     assert limits.memory is None and not limits.memory_per_device
     assert limits.sm is None and not limits.sm_per_device
