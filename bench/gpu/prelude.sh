@@ -11,11 +11,12 @@ H="python3 bench/hami.py"
 
 # start_daemon [ARGS...]: the daemon on $LIB, grouping by $GROUP_BY (default
 # env:HAMI_GROUP), serving /tmp/h.sock, stderr appended to $OUT/daemon.log;
-# returns once it says "ready".
+# on the CPUs $DAEMON_CPUS lists (taskset form) where it is set; returns once
+# it says "ready".
 start_daemon() {
   local before
   before=$(grep -c "ready" "$OUT/daemon.log" 2>/dev/null)
-  $H run --libcuda "$LIB" --group-by "${GROUP_BY:-env:HAMI_GROUP}" --socket /tmp/h.sock --state-dir /tmp/hs \
+  ${DAEMON_CPUS:+taskset -c "$DAEMON_CPUS"} $H run --libcuda "$LIB" --group-by "${GROUP_BY:-env:HAMI_GROUP}" --socket /tmp/h.sock --state-dir /tmp/hs \
       "$@" > /dev/null 2>> "$OUT/daemon.log" &
   DPID=$!
   for _ in $(seq 1 240); do

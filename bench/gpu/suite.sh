@@ -9,7 +9,7 @@
 #        [PAIRS="cnn_train:llm_decode llm_prefill:cnn_train"] [SPLITS="30:70 50:50"]
 #        [SECTIONS="single service pair twin"] [TWINS=llm_decode] [SUITE_SECONDS=10] [SUITE_BUDGET=s]
 #        [ORDER=refs-first|per-workload]
-#        [DAEMON_ARGS=...] bash bench/gpu/suite.sh
+#        [DAEMON_ARGS=...] [DAEMON_CPUS=12-15] bash bench/gpu/suite.sh
 # Results in $OUT: suite.jsonl (raw, tagged lines), summary.md and summary.json
 # (bench/gpu/suite_summary.py), events.json (the daemon's events, JSON lines),
 # daemon.log, logs/ (each workload's stderr). The default selection takes
@@ -32,7 +32,7 @@ kill -0 "$DPID" 2>/dev/null || { echo "daemon did not start"; tail -20 "$OUT/dae
 echo "daemon ready after $(( $(date +%s) - T0 )) s"
 : > "$OUT/suite.jsonl"
 BUDGET=${SUITE_BUDGET:-$(( 540 - ($(date +%s) - T0) ))}
-python3 bench/gpu/suite_run.py --out "$OUT" --budget "$BUDGET"
+DAEMON_PID=$DPID python3 bench/gpu/suite_run.py --out "$OUT" --budget "$BUDGET"
 cleanup; trap - EXIT
 python3 bench/gpu/suite_summary.py "$OUT/suite.jsonl" --json "$OUT/summary.json" | tee "$OUT/summary.md"
 echo "suite done after $(( $(date +%s) - T0 )) s"

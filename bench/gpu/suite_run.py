@@ -50,6 +50,8 @@ Output: --out/suite.jsonl: every workload line, tagged with "run", "kind"
 "ref" (the label of the uncapped run it is compared with); NVML device
 utilization samples ({"nvml": ...}, every 0.5 s, tagged with the run then
 timed and "rt", seconds since its start); one {"run_end": ...} line per run
+(with "cpu": CPU seconds per second of the timed stretch, of each process
+and of the daemon, whose pid DAEMON_PID gives),
 {"exit": ...} with each process's exit status, {"stopped": run, "side",
 "share": [...]} per capped process (the share of each second since the run's
 start it spent stopped, read from /proc every STOP_SAMPLE_S), and
@@ -74,6 +76,20 @@ WDIR = os.environ.get("SUITE_WORKLOAD_DIR") or os.path.join(HERE, "workloads")
 ALL = ["cnn_train", "llm_decode", "llm_prefill", "graph_replay", "jax_train", "triton_loop", "phased"]
 PY = sys.executable
 STOP_SAMPLE_S = 0.002     # how often a capped process's state is read
+DAEMON_PID = int(os.environ.get("DAEMON_PID") or 0) or None
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def proc_cpu_s(pid: int | None) -> float | None:
+    """User + system CPU seconds of a process, all its threads."""
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / TICK
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 @dataclass
@@ -238,6 +254,7 @@ class Suite:
             for p in run.procs:
                 open(os.path.join(p.sync, "start"), "w").close()
         run.t_start = time.monotonic()
+        cpu0 = {"daemon": proc_cpu_s(DAEMON_PID), **{p.side: proc_cpu_s(p.popen.pid) for p in run.procs}}
         self.current = run
         if nxt is not None:
             self.spawn(nxt)      # imports while this one is timed
@@ -263,6 +280,10 @@ class Suite:
         if churn:
             churn.join(30)
         self.current = None
+        took = time.monotonic() - run.t_start
+        cpu1 = {"daemon": proc_cpu_s(DAEMON_PID), **{p.side: proc_cpu_s(p.popen.pid) for p in run.procs}}
+        cpu = {k: round((cpu1[k] - cpu0[k]) / took, 3) for k in cpu0
+               if cpu0[k] is not None and cpu1.get(k) is not None and took > 0}
         self.write_stopped(run)
         res = []
         for p in run.procs:
@@ -275,7 +296,7 @@ class Suite:
             res.append(f"{p.workload}@{p.cap if p.cap is not None else 'uncapped'}: "
                        f"{rate if rate is not None else 'no result'} {s.get('unit', '')} ({pct})")
         self.write({"run_end": run.label, "kind": run.kind, "setup_s": round(setup_s, 2), "ok": ok,
-                    "wall_s": round(time.monotonic() - run.t_start, 2)})
+                    "wall_s": round(time.monotonic() - run.t_start, 2), "cpu": cpu})
         self.say(f"{run.label}: " + "; ".join(res))
 
     def reap(self, run: Run, p: Proc) -> None:

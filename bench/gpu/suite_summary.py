@@ -199,6 +199,8 @@ def main():
             if res.get("ratio") is not None and row["stopped"] < 100:
                 # progress per second it was let run, against the reference's
                 row["per_running_s"] = round(100 * res["ratio"] / (100 - row["stopped"]), 1)
+        cpu = ends.get(m["run"], {}).get("cpu", {})
+        row["cpu"], row["daemon_cpu"] = cpu.get(m["side"]), cpu.get("daemon")
         if m["kind"] == "service" and m["run"] in churn:
             row["churners"] = churn[m["run"]]["churners"]
         rows.append(row)
@@ -238,6 +240,9 @@ def main():
         if r.get("stopped") is not None:
             notes.append(f"stopped {r['stopped']:.1f}% of the time"
                          + (f", {r['per_running_s']:.0f}% speed while running" if r.get("per_running_s") else ""))
+        if r.get("cpu") is not None:
+            notes.append(f"CPU {100 * r['cpu']:.0f}%"
+                         + (f", daemon's {100 * r['daemon_cpu']:.0f}%" if r.get("daemon_cpu") is not None else ""))
         if r.get("sm_mhz") is not None:
             notes.append(f"SM clock {r['sm_mhz']} MHz")
         if r.get("gpu_setup_s") is not None:
