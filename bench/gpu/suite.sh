@@ -9,7 +9,7 @@
 #        [PAIRS="cnn_train:llm_decode llm_prefill:cnn_train"] [SPLITS="30:70 50:50"]
 #        [SECTIONS="single service pair twin"] [TWINS=llm_decode] [SUITE_SECONDS=10] [SUITE_BUDGET=s]
 #        [ORDER=refs-first|per-workload]
-#        [DAEMON_ARGS=...] [DAEMON_CPUS=12-15] bash bench/gpu/suite.sh
+#        [DAEMON_ARGS=...] [DAEMON_CPUS=10-15] [PIN=0] bash bench/gpu/suite.sh
 # Results in $OUT: suite.jsonl (raw, tagged lines), summary.md and summary.json
 # (bench/gpu/suite_summary.py), events.json (the daemon's events, JSON lines),
 # daemon.log, logs/ (each workload's stderr). The default selection takes
@@ -27,6 +27,10 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 echo "libcuda: $LIB; $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null)"
+# The daemon off the timed workloads' CPUs (2-9, bench/gpu/suite_run.py), as a
+# node that reserves CPUs for its system daemons runs it; DAEMON_CPUS= (empty)
+# lets it run anywhere, beside them.
+[ "$(nproc)" -ge 16 ] && [ "${PIN:-1}" != 0 ] && DAEMON_CPUS=${DAEMON_CPUS-10-$(( $(nproc) - 1 ))}
 start_daemon --sm-limits -v ${DAEMON_ARGS:-}
 kill -0 "$DPID" 2>/dev/null || { echo "daemon did not start"; tail -20 "$OUT/daemon.log"; exit 1; }
 echo "daemon ready after $(( $(date +%s) - T0 )) s"

@@ -471,6 +471,10 @@ class Suite:
         self.write({"suite": True, "runs": [r.label for r in runs], "seconds": a.seconds, "order": a.order,
                     "workloads": a.workloads, "caps": a.caps, "pairs": a.pairs, "splits": a.splits,
                     "sections": a.sections, "pin": bool(self.cpus)})
+        if self.cpus:
+            # The samplers (every 2 ms) off the timed processes' CPUs: their
+            # wake-ups would preempt a host-bound loop.
+            os.sched_setaffinity(0, self.cpus["spare"])
         threading.Thread(target=self.nvml, daemon=True).start()
         threading.Thread(target=self.stop_sampler, daemon=True).start()
         try:
