@@ -45,6 +45,10 @@ T0=$(date +%s)
 # -- 1. base rootfs ----------------------------------------------------------
 key="$(printf '%s\n' "$SUITE" "$ARCH" "$PACKAGES" minbase v1 | sha256sum | cut -c1-12)"
 tarball="$CACHE/base-${SUITE}-${key}.tar"
+# A directory there, or a temporary left by a run that was cut short, is not
+# a base to import.
+[ ! -d "$tarball" ] || rm -rf "$tarball"
+rm -rf "$tarball.tmp"
 if [ ! -s "$tarball" ]; then
   command -v mmdebstrap >/dev/null || die "mmdebstrap not found (apt-get install mmdebstrap)"
   mirror=()
@@ -52,7 +56,9 @@ if [ ! -s "$tarball" ]; then
   log "making the base root filesystem (mmdebstrap $SUITE: $PACKAGES)"
   # minbase plus the packages; no recommends; apt lists and docs dropped
   # (what debian:12-slim drops too).
-  mmdebstrap --variant=minbase --arch="$ARCH" --include="$PACKAGES" \
+  # --format: mmdebstrap picks the format from the name's ending, and the
+  # temporary name ends in .tmp, which it would take for a directory.
+  mmdebstrap --variant=minbase --format=tar --arch="$ARCH" --include="$PACKAGES" \
     --aptopt='APT::Install-Recommends "false"' \
     --dpkgopt='path-exclude=/usr/share/doc/*' \
     --dpkgopt='path-include=/usr/share/doc/*/copyright' \
