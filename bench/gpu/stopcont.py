@@ -45,11 +45,12 @@ def parse_plan(text):
 
 
 def cpu_seconds(pid):
+    """User + system CPU seconds of a process, all its threads."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / TICK
-    except OSError:
+    except (OSError, IndexError, ValueError):
         return None
 
 

@@ -27,10 +27,6 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 echo "libcuda: $LIB; $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null)"
-# The daemon off the timed workloads' CPUs (2-9, bench/gpu/suite_run.py), as a
-# node that reserves CPUs for its system daemons runs it; DAEMON_CPUS= (empty)
-# lets it run anywhere, beside them.
-[ "$(nproc)" -ge 16 ] && [ "${PIN:-1}" != 0 ] && DAEMON_CPUS=${DAEMON_CPUS-10-$(( $(nproc) - 1 ))}
 start_daemon --sm-limits -v ${DAEMON_ARGS:-}
 kill -0 "$DPID" 2>/dev/null || { echo "daemon did not start"; tail -20 "$OUT/daemon.log"; exit 1; }
 echo "daemon ready after $(( $(date +%s) - T0 )) s"

@@ -71,25 +71,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from stopcont import cpu_seconds     # this directory: the script's own
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 WDIR = os.environ.get("SUITE_WORKLOAD_DIR") or os.path.join(HERE, "workloads")
 ALL = ["cnn_train", "llm_decode", "llm_prefill", "graph_replay", "jax_train", "triton_loop", "phased"]
 PY = sys.executable
 STOP_SAMPLE_S = 0.002     # how often a capped process's state is read
 DAEMON_PID = int(os.environ.get("DAEMON_PID") or 0) or None
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def proc_cpu_s(pid: int | None) -> float | None:
-    """User + system CPU seconds of a process, all its threads."""
-    if pid is None:
-        return None
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / TICK
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 @dataclass
@@ -254,7 +243,7 @@ class Suite:
             for p in run.procs:
                 open(os.path.join(p.sync, "start"), "w").close()
         run.t_start = time.monotonic()
-        cpu0 = {"daemon": proc_cpu_s(DAEMON_PID), **{p.side: proc_cpu_s(p.popen.pid) for p in run.procs}}
+        cpu0 = self.cpu_now(run)
         self.current = run
         if nxt is not None:
             self.spawn(nxt)      # imports while this one is timed
@@ -281,7 +270,7 @@ class Suite:
             churn.join(30)
         self.current = None
         took = time.monotonic() - run.t_start
-        cpu1 = {"daemon": proc_cpu_s(DAEMON_PID), **{p.side: proc_cpu_s(p.popen.pid) for p in run.procs}}
+        cpu1 = self.cpu_now(run)
         cpu = {k: round((cpu1[k] - cpu0[k]) / took, 3) for k in cpu0
                if cpu0[k] is not None and cpu1.get(k) is not None and took > 0}
         self.write_stopped(run)
@@ -298,6 +287,12 @@ class Suite:
         self.write({"run_end": run.label, "kind": run.kind, "setup_s": round(setup_s, 2), "ok": ok,
                     "wall_s": round(time.monotonic() - run.t_start, 2), "cpu": cpu})
         self.say(f"{run.label}: " + "; ".join(res))
+
+    @staticmethod
+    def cpu_now(run: Run) -> dict[str, float | None]:
+        """CPU seconds so far of the daemon and of each of the run's processes."""
+        return {"daemon": cpu_seconds(DAEMON_PID) if DAEMON_PID else None,
+                **{p.side: cpu_seconds(p.popen.pid) for p in run.procs}}
 
     def reap(self, run: Run, p: Proc) -> None:
         try:
@@ -472,9 +467,14 @@ class Suite:
                     "workloads": a.workloads, "caps": a.caps, "pairs": a.pairs, "splits": a.splits,
                     "sections": a.sections, "pin": bool(self.cpus)})
         if self.cpus:
-            # The samplers (every 2 ms) off the timed processes' CPUs: their
-            # wake-ups would preempt a host-bound loop.
+            # The samplers (every 2 ms) and the daemon off the timed processes'
+            # CPUs, as a node that reserves CPUs for its system daemons runs
+            # it: their wake-ups would preempt a host-bound loop. DAEMON_CPUS
+            # in the environment (empty: anywhere) leaves the daemon where
+            # bench/gpu/prelude.sh put it.
             os.sched_setaffinity(0, self.cpus["spare"])
+            if DAEMON_PID and "DAEMON_CPUS" not in os.environ:
+                self.pin(DAEMON_PID, self.cpus["spare"])
         threading.Thread(target=self.nvml, daemon=True).start()
         threading.Thread(target=self.stop_sampler, daemon=True).start()
         try:
