@@ -7,7 +7,7 @@ import sys
 import click
 
 from hami_bpf.config import (DEFAULT_FALLBACK_DEVICES, DEFAULT_FALLBACK_TOTAL_MEM, DEFAULT_LIB_GRACE_S,
-                             DEFAULT_PIN_DIR, DEFAULT_SM_HOLD_MS, DEFAULT_SM_TURN_MS, DEFAULT_SOCKET, DEFAULT_STATE_DIR, OOM_ACTIONS,
+                             DEFAULT_PIN_DIR, DEFAULT_SM_HOLD_MS, DEFAULT_SM_HOST_RUN_MS, DEFAULT_SM_TURN_MS, DEFAULT_SOCKET, DEFAULT_STATE_DIR, OOM_ACTIONS,
                              DaemonConfig, parse_group_by, parse_host_port)
 
 from .common import CliError
@@ -122,6 +122,13 @@ class UnixGroupType(click.ParamType):
               help="A capped group that synchronizes often is held, at a synchronize's return, "
                    "once it owes this much running time; a longer one holds it less often and "
                    "for longer (each hold lasts at most the larger of 250 ms and twice this).")
+@click.option("--sm-host-run-ms", "sm_host_run_ms", type=click.IntRange(0, 1000),
+              default=DEFAULT_SM_HOST_RUN_MS, show_default=True,
+              help="A capped group whose launching thread sets its pace (under half its running "
+                   "time inside synchronize calls) runs at least this long between holds, each "
+                   "hold as long as its cap asks (at most 400 ms): such a loop runs slower for "
+                   "a while after every stop, so fewer stops let it keep its share. 0: held "
+                   "as any other group.")
 @click.option("--sm-learn-alone/--no-sm-learn-alone", default=True, show_default=True,
               help="Let a newly capped group learn its full rate with the other capped groups "
                    "on its GPU held (at most 2 s; never an uncapped or higher-priority group): "
@@ -149,8 +156,8 @@ class UnixGroupType(click.ParamType):
 @click.option("-v", "--verbose", is_flag=True, help="Log debug details.")
 def run(libcuda, group_by, socket_path, count_launches, policy, env_limits, oom_action,
         metrics_addr, socket_group, demo, state_dir, pin_dir, keep_state, fresh, context_bytes,
-        sm_limits, sm_lend_idle, sm_turns, sm_turn_ms, sm_hold_ms, sm_learn_alone, open_gate, hami_regions,
-        fallback_devices, fallback_total_mem, sim_gpu, lib_grace_s, verbose):
+        sm_limits, sm_lend_idle, sm_turns, sm_turn_ms, sm_hold_ms, sm_host_run_ms, sm_learn_alone, open_gate,
+        hami_regions, fallback_devices, fallback_total_mem, sim_gpu, lib_grace_s, verbose):
     """Start the daemon: attach probes, keep the slot table, serve the socket."""
     if os.geteuid() != 0:
         raise CliError("run needs root (CAP_BPF, CAP_PERFMON)")
@@ -160,7 +167,8 @@ def run(libcuda, group_by, socket_path, count_launches, policy, env_limits, oom_
                        socket_group=socket_group, demo=demo, state_dir=state_dir,
                        verbose=verbose, context_bytes=context_bytes, sm_limits=sm_limits,
                        sm_lend_idle=sm_lend_idle, sm_turns=sm_turns,
-                       sm_turn_ms=sm_turn_ms, sm_hold_ms=sm_hold_ms, sm_learn_alone=sm_learn_alone, open_gate=open_gate,
+                       sm_turn_ms=sm_turn_ms, sm_hold_ms=sm_hold_ms,
+                       sm_host_run_ms=sm_host_run_ms, sm_learn_alone=sm_learn_alone, open_gate=open_gate,
                        hami_regions=hami_regions, pin_dir=pin_dir if keep_state else None,
                        fresh=fresh, fallback_devices=fallback_devices,
                        fallback_total_mem=fallback_total_mem, sim_gpu=sim_gpu,

@@ -10,7 +10,7 @@ import re
 import stat
 from dataclasses import dataclass
 
-from .sm.duty import QUANTUM_S
+from .sm.duty import HOST_RUN_S, QUANTUM_S
 from .throttle import TURN_PERIOD_S
 
 DEFAULT_SOCKET = "/run/hami-bpf/hami-bpf.sock"
@@ -18,6 +18,7 @@ DEFAULT_STATE_DIR = "/run/hami-bpf"
 DEFAULT_PIN_DIR = "/sys/fs/bpf/hami-bpf"
 DEFAULT_SM_TURN_MS = round(TURN_PERIOD_S * 1000)
 DEFAULT_SM_HOLD_MS = round(QUANTUM_S * 1000)
+DEFAULT_SM_HOST_RUN_MS = round(HOST_RUN_S * 1000)
 
 GROUP_BY_FIXED = ("cgroup", "pid")
 OOM_ACTIONS = ("auto", "return-oom", "stop-rewrite", "kill", "observe")
@@ -110,6 +111,7 @@ class DaemonConfig:
     sm_turns: bool = True                # groups capped on one device take turns (throttle.turns)
     sm_turn_ms: int = DEFAULT_SM_TURN_MS  # the turns' period
     sm_hold_ms: int = DEFAULT_SM_HOLD_MS  # running time a synchronizing group owes before it is held
+    sm_host_run_ms: int = DEFAULT_SM_HOST_RUN_MS  # a host-paced group runs this long between holds; 0: off
     sm_learn_alone: bool = True          # a group learns its rate with its device's capped groups held
     open_gate: bool = True               # hold a process opening a libcuda until that file is probed
     pin_dir: str | None = DEFAULT_PIN_DIR  # bpffs directory the accounting maps are kept in; None = not kept
@@ -128,5 +130,7 @@ class DaemonConfig:
             parse_host_port(self.metrics_addr)
         if not 10 <= self.sm_hold_ms <= 500:
             raise ValueError(f"sm_hold_ms {self.sm_hold_ms} is not between 10 and 500")
+        if not 0 <= self.sm_host_run_ms <= 1000:
+            raise ValueError(f"sm_host_run_ms {self.sm_host_run_ms} is not between 0 and 1000")
         if not 20 <= self.sm_turn_ms <= 1000:
             raise ValueError(f"sm_turn_ms {self.sm_turn_ms} is not between 20 and 1000")

@@ -45,7 +45,8 @@ DAEMON_COUNTERS: tuple[str, ...] = (
 )
 
 # Counter families whose suffix is a value (a reason, a mode, a bucket).
-DAEMON_COUNTER_PREFIXES: tuple[str, ...] = ("sm_corrections_", "sm_mode_", "exit_latency_")
+DAEMON_COUNTER_PREFIXES: tuple[str, ...] = ("sm_corrections_", "sm_mode_", "sm_slices_",
+                                             "exit_latency_")
 
 
 def known(name: str) -> bool:

@@ -180,6 +180,12 @@ TYPES: tuple[EventType, ...] = (
               lambda d: f"group {d['group']!r} device {d['device']}: paced by " + (
                   "time, held at its synchronizes" if d["sm_mode"] == "duty"
                   else "its launch budget (it synchronizes rarely)")),
+    EventType(K.THROTTLE, "slices", ("group", "device", "host_paced", "hold_ms"),
+              lambda d: f"group {d['group']!r} device {d['device']}: " + (
+                  f"its launching thread sets its pace: held {d['hold_ms']} ms at a time, "
+                  "less often (such a loop runs slower for a while after each stop)"
+                  if d["host_paced"] else
+                  f"it waits for the GPU: held {d['hold_ms']} ms at a time again")),
     EventType(K.THROTTLE, "alone_done",
               ("group", "group_index", "device", "alone", "outcome", "learn_s", "released"),
               _alone_done),

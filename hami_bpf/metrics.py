@@ -62,6 +62,9 @@ _SM_LABELLED = (
     ("hami_bpf_sm_mode_changes", "sm_mode_",
      "Capped groups moved between pacing by time at their synchronizes (duty) and "
      "the launch budget (budget).", "mode"),
+    ("hami_bpf_sm_slice_changes", "sm_slices_",
+     "Groups paced by time that began to be held in longer slices because their launching "
+     "thread sets their pace (host), or in the usual ones again (gpu).", "slices"),
 )
 
 # Probe and handler failures: snapshot.counters key -> value of the `kind` label

@@ -78,7 +78,8 @@ class SmControl:
         # Groups that synchronize often are paced by time (sm.duty), the
         # rest by the launch budget (self.budgets).
         self.duty = duty.DutyPacer(quantum_s=cfg.sm_hold_ms / 1000,
-                                    max_hold_s=max(duty.MAX_HOLD_S, 2 * cfg.sm_hold_ms / 1000))
+                                    max_hold_s=max(duty.MAX_HOLD_S, 2 * cfg.sm_hold_ms / 1000),
+                                    host_run_s=cfg.sm_host_run_ms / 1000)
         self.guard = guard.Guard()        # the launch budget checked against the GPU
         self._duty_next: float | None = None
 
@@ -391,7 +392,7 @@ class SmControl:
                               consumed, n_launch, completed, granted, group in self.throttled,
                               self.counters["holds_cut_short"], self.counters["throttle_episodes"])
             held_for = now - self.throttle_since.get(group, now)
-            if group in self.throttled and (room or held_for > self.duty.max_hold_s):
+            if group in self.throttled and (room or held_for > self.duty.hold_bound(g.index)):
                 if g.index in paced.cut_short or not room and not any(
                         k[0] == g.index and use.get(k, (0,))[0] for k in holds):
                     # A hold must never outlive one refill period: whatever the
@@ -459,6 +460,10 @@ class SmControl:
                 self._forget_budget(key)
                 self.turntable.forget(key)
             self.record("throttle", "mode", group=name, device=key[1], sm_mode=mode.value)
+        for key, host, quantum in d.slice_changes:
+            self.counters[f"sm_slices_{'host' if host else 'gpu'}"] += 1
+            self.record("throttle", "slices", group=names.get(key[0], str(key[0])), device=key[1],
+                        host_paced=host, hold_ms=round(quantum * 1000))
         for key, kd in d.keys.items():
             if kd.mode is not duty.Mode.DUTY:
                 continue

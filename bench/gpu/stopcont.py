@@ -17,7 +17,7 @@ clocks, scheduling), which no controller can see from outside.
 
     python3 bench/gpu/stopcont.py [--workload llm_decode] [--period 0.2]
         [--plan "free:6 d50:8 free:6 d25:8 free:6 d75:8 free:6"]
-        [--pin CPU] [--spin CPU,CPU] [--json F] [-- workload args]
+        [--pin CPU] [--spin CPU,CPU] [--idle-spin CPU] [--json F] [-- workload args]
 """
 import argparse
 import json
@@ -62,8 +62,11 @@ def main_cpu(pid):
         return None
 
 
-def spinner(cpu):
-    return subprocess.Popen(["taskset", "-c", str(cpu), sys.executable, "-c", "while True: pass"])
+def spinner(cpu, idle=False):
+    # idle: SCHED_IDLE, so it runs only while nothing else wants that CPU
+    # (the stopped workload's CPU stays busy, and yields the moment it runs).
+    cmd = ["taskset", "-c", str(cpu), sys.executable, "-c", "while True: pass"]
+    return subprocess.Popen(["chrt", "-i", "0", *cmd] if idle else cmd)
 
 
 def main():
@@ -73,6 +76,8 @@ def main():
     ap.add_argument("--period", type=float, default=0.2, help="seconds of one stop-and-run cycle")
     ap.add_argument("--pin", default=None, help="taskset CPU list for the workload")
     ap.add_argument("--spin", default="", help="CPUs to keep busy with a Python spin loop meanwhile")
+    ap.add_argument("--idle-spin", default="",
+                    help="CPUs to keep busy with a SCHED_IDLE spin loop (e.g. the --pin CPU: it never idles)")
     ap.add_argument("--json", default=None, help="write the per-segment results here")
     ap.add_argument("--label", default="")
     a, rest = ap.parse_known_args()
@@ -94,7 +99,8 @@ def main():
         if p.poll() is not None:
             raise SystemExit(f"{a.workload} exited {p.returncode} before it was ready")
         time.sleep(0.05)
-    spins = [spinner(c) for c in a.spin.split(",") if c]
+    spins = ([spinner(c) for c in a.spin.split(",") if c]
+             + [spinner(c, idle=True) for c in a.idle_spin.split(",") if c])
     segs = []
     try:
         open(os.path.join(sync, "start"), "w").close()
@@ -156,7 +162,8 @@ def main():
         s["of_free"] = 100 * s["rate"] / ref if ref and s["rate"] else None
         s["run_of_free"] = 100 * s["rate_per_run_s"] / ref if ref and s["rate_per_run_s"] else None
     unit = summ.get("unit", "")
-    print(f"# {a.workload} {a.label} period {a.period}s pin {a.pin or '-'} spin {a.spin or '-'} ({unit})")
+    print(f"# {a.workload} {a.label} period {a.period}s pin {a.pin or '-'} spin {a.spin or '-'} "
+          f"idle-spin {a.idle_spin or '-'} ({unit})")
     print("| segment | rate | % of free | per running s, % of free | CPU s / running s | units / CPU s | main thread's CPUs |")
     print("|---|---:|---:|---:|---:|---:|---|")
     f = lambda v, d=1: "-" if v is None else f"{v:.{d}f}"
@@ -167,7 +174,8 @@ def main():
     if a.json:
         with open(a.json, "a") as fh:
             fh.write(json.dumps({"workload": a.workload, "label": a.label, "period": a.period,
-                                 "pin": a.pin, "spin": a.spin, "segments": segs}) + "\n")
+                                 "pin": a.pin, "spin": a.spin, "idle_spin": a.idle_spin,
+                                 "segments": segs}) + "\n")
 
 
 if __name__ == "__main__":

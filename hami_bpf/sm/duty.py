@@ -27,13 +27,13 @@ corrected when the hold is first seen (at cap 25 a millisecond counted as
 running owes three held, so uncorrected the group would run less than its cap).
 Debt has floors (an idle group banks at most BURST_S of running; a hold
 that outlasts its debt, because the daemon's turn came late or a neighbour
-ran, is credited up to MAX_HOLD_S) and a ceiling (MAX_DEBT_S). Once debt reaches QUANTUM_S the group
+ran, is credited up to its hold bound) and a ceiling (MAX_DEBT_S). Once debt reaches QUANTUM_S the group
 is asked to stop at its next synchronize's return (BPF, `hold_at_sync`); if
 none comes within FORCE_AFTER_S, at its next launch. A held group is released
 once its debts are paid and no other paced group runs on its devices (their
 turns do not overlap: two processes time-slicing a GPU get less done than
-either alone), and after MAX_HOLD_S whatever they say: a hold never
-outlives that, so a wrong estimate can only let a group run more. A hold it
+either alone), and after its hold bound whatever they say (MAX_HOLD_S;
+longer for a host-paced group, below): a hold never outlives that, so a wrong estimate can only let a group run more. A hold it
 asked for stays its to end when the group leaves DUTY mode or loses its cap
 while held (it is released then: its debts are forgiven).
 
@@ -60,6 +60,20 @@ running time the probes took (launches per second of running x the probe's
 measured cost, Observation.probe_s; at most MAX_PROBE_SHARE). A group that
 waits for the GPU is not slowed by its launcher and gets nothing.
 
+A group whose launching thread sets its pace is held less often, for
+longer: it runs at least HOST_RUN_S between holds (its hold, the debt at which
+it is asked, grows to HOST_RUN_S x (100 - cap) / cap, at most
+HOST_QUANTUM_MAX_S, and its bound to twice that). Such a loop runs slower for
+a while after each stop (its CPU's caches and clocks start cold; the GPU does
+not wait for it, so nothing hides it): stopped and continued from outside at a
+0.1 s period and 50% duty a decode loop ran at ~82% of its free speed per
+second of running, at a 0.4 s period at ~100% (bench/gpu/stopcont.py). A
+group that waits for the GPU loses nothing to a stop and keeps the short
+quantum, which keeps neighbours' turns fine-grained. The test is the waited
+share: under WAITED_SHARE of its running time inside synchronize calls over
+the synchronize rate's window it is host-paced, from GPU_PACED_SHARE up it is
+not, and in between (or with too little seen) it keeps what it was.
+
 Groups that synchronize rarely (below PACED_HZ) are not paced here: their
 work sits in a launch queue that a hold does not drain, and the launch
 budget (hami_bpf.throttle) paces them. `mode()` says which one applies.
@@ -73,7 +87,7 @@ from typing import Mapping
 
 QUANTUM_S = 0.05       # debt at which a hold is asked for
 FORCE_AFTER_S = 0.15   # asked this long with no synchronize's return: stop at the next launch
-MAX_HOLD_S = 0.25      # no hold lasts longer (the daemon's bound for every hold)
+MAX_HOLD_S = 0.25      # no hold lasts longer, but a host-paced group's (twice its quantum)
 MAX_DEBT_S = 1.0       # debt kept at most: a long unsynchronized run is not repaid for seconds
 BURST_S = 0.1          # running time an idle (or waiting) group may bank
 ACTIVE_GRACE_S = 0.05  # launched or synchronized this recently: active on the device
@@ -89,6 +103,9 @@ MAX_STEP_S = 0.5       # a longer gap between steps (a stalled controller) count
 DUTY_WAIT_S = 0.005    # a group waiting for another's turn to end looks again this soon
 MAX_PROBE_SHARE = 0.2  # the launch probe's part of a group's running time taken into account at most
 WAITED_SHARE = 0.5     # running time inside synchronize calls from which the GPU sets the pace
+HOST_RUN_S = 0.2       # running between holds, at least, for a group its launching thread paces
+HOST_QUANTUM_MAX_S = 0.4   # ... whose hold (asked at this debt) grows at most to this
+GPU_PACED_SHARE = 0.6  # running time inside synchronize calls from which it is not host-paced again
 DUE_EPS_S = 1e-6       # a debt or hold this close to its end has ended (a step at next_step
                        # lands within rounding of it, on either side)
 
@@ -132,15 +149,19 @@ class KeyDecision:
     ask: Ask
     debt: float
     probe_share: float = 0.0    # the probes' part of its running time, given back as running
+    host_paced: bool = False    # its launching thread sets its pace: held in longer slices
+    quantum: float = QUANTUM_S  # the debt at which it is asked to stop (its hold's length)
 
 
 @dataclass(frozen=True)
 class Decision:
     keys: Mapping[tuple[int, int], KeyDecision]
     release: frozenset[int]                     # held groups to resume now
-    cut_short: frozenset[int]                   # ... of them, released with debt left (MAX_HOLD_S)
+    cut_short: frozenset[int]                   # ... of them, released with debt left (hold bound)
     mode_changes: tuple[tuple[tuple[int, int], Mode], ...]
     next_step: float | None                     # when a held group's debt is paid
+    # (key, host-paced, its quantum) where a key in DUTY mode changed slices
+    slice_changes: tuple[tuple[tuple[int, int], bool, float], ...] = ()
 
 
 @dataclass
@@ -164,6 +185,8 @@ class _Key:
     ran_spans: collections.deque = field(default_factory=collections.deque)
     hold_seen: float | None = None
     probe_share: float = 0.0
+    host_paced: bool = False
+    said_host: bool = False     # host_paced as last reported (in DUTY mode)
 
     def owes_per_s(self) -> float:
         c = min(self.cap / (1.0 - self.probe_share), 99.0)
@@ -197,25 +220,42 @@ def _sync_rate(k: _Key, now: float) -> float:
     return n / max(span, MIN_RUN_S)
 
 
-def _probe_share(k: _Key, now: float, u: Use, probe_s: float) -> float:
-    """The part of the group's running time its launch probes took, over the
-    synchronize rate's window; none for a group the GPU keeps waiting."""
-    if probe_s <= 0 or not k.sync_marks:
-        return 0.0
+def _window(k: _Key, now: float, u: Use) -> tuple[float, float, int] | None:
+    """Over the synchronize rate's window: (seconds run, share of them inside
+    synchronize calls, launches). None: too little run to tell, or counters
+    that started over."""
+    if not k.sync_marks:
+        return None
     m = k.sync_marks[0]
     ran = _ran_since(k, m, now)
     if ran < SYNC_WINDOW_S / 2 or u.launches < m[3] or u.sync_s < m[4]:
+        return None
+    return ran, (u.sync_s - m[4]) / ran, u.launches - m[3]
+
+
+def _host_paced(k: _Key, window: tuple[float, float, int] | None) -> bool:
+    if window is None:
+        return k.host_paced
+    if window[1] < WAITED_SHARE:
+        return True
+    return False if window[1] >= GPU_PACED_SHARE else k.host_paced
+
+
+def _probe_share(window: tuple[float, float, int] | None, probe_s: float) -> float:
+    """The part of the group's running time its launch probes took, over the
+    synchronize rate's window; none for a group the GPU keeps waiting."""
+    if probe_s <= 0 or window is None or window[1] >= WAITED_SHARE:
         return 0.0
-    if (u.sync_s - m[4]) >= WAITED_SHARE * ran:
-        return 0.0
-    return min(MAX_PROBE_SHARE, (u.launches - m[3]) / ran * probe_s)
+    return min(MAX_PROBE_SHARE, window[2] / window[0] * probe_s)
 
 
 class DutyPacer:
     """Keeps the books of every capped (group, device); `step` once per tick."""
 
-    def __init__(self, quantum_s: float = QUANTUM_S, max_hold_s: float = MAX_HOLD_S) -> None:
+    def __init__(self, quantum_s: float = QUANTUM_S, max_hold_s: float = MAX_HOLD_S,
+                 host_run_s: float = HOST_RUN_S) -> None:
         self.quantum_s = quantum_s
+        self.host_run_s = host_run_s    # 0: a host-paced group is held as any other
         self.max_hold_s = max(max_hold_s, quantum_s)
         self._keys: dict[tuple[int, int], _Key] = {}
         self._asked: set[int] = set()       # groups asked to stop at the last step
@@ -234,6 +274,22 @@ class DutyPacer:
     def debt(self, key: tuple[int, int]) -> float | None:
         k = self._keys.get(key)
         return None if k is None else k.debt
+
+    def _quantum(self, k: _Key) -> float:
+        """The debt at which a group is asked to stop: how long it is held."""
+        if not (k.host_paced and k.mode is Mode.DUTY):
+            return self.quantum_s
+        return min(max(self.quantum_s, self.host_run_s * k.owes_per_s()),
+                   max(HOST_QUANTUM_MAX_S, self.quantum_s))
+
+    def _bound(self, k: _Key) -> float:
+        return max(self.max_hold_s, 2 * self._quantum(k))
+
+    def hold_bound(self, group_index: int) -> float:
+        """How long a hold of this group may last at most (max_hold_s, longer
+        for a host-paced group in DUTY mode): no hold outlives it."""
+        return max([self.max_hold_s] + [self._bound(k) for key, k in self._keys.items()
+                                        if key[0] == group_index and k.mode is Mode.DUTY])
 
     @staticmethod
     def _held_before(k: _Key, since: float, counts_held: bool) -> None:
@@ -260,6 +316,7 @@ class DutyPacer:
         self._holding = {gi for gi in obs.held if gi in self._holding or gi in self._asked}
         decisions: dict[tuple[int, int], KeyDecision] = {}
         changes: list[tuple[tuple[int, int], Mode]] = []
+        slices: list[tuple[tuple[int, int], bool, float]] = []
         for key, cap in obs.caps.items():
             u = obs.use.get(key, Use(0, 0))
             k = self._keys.get(key)
@@ -289,18 +346,20 @@ class DutyPacer:
                 k.debt += ran * k.owes_per_s()
             # Held past its debt (the daemon's turn came late, or a neighbour
             # ran): credited, up to one longest hold, whatever the cap.
-            k.debt = max(k.debt - (dt - ran), min(k.debt, -self.max_hold_s))
+            k.debt = max(k.debt - (dt - ran), min(k.debt, -self._bound(k)))
             if counts_held:
                 k.held_s += dt - ran
             if ran > 0:
                 k.ran_spans.append((k.t, k.t + ran, active))
                 while k.ran_spans and k.ran_spans[0][1] < now - MAX_STEP_S:
                     k.ran_spans.popleft()
-            k.debt = min(max(k.debt, idle_floor - self.max_hold_s), MAX_DEBT_S)
+            k.debt = min(max(k.debt, idle_floor - self._bound(k)), MAX_DEBT_S)
             k.t, k.consumed, k.syncs = now, u.consumed, u.syncs
             k.sync_marks.append((now, u.syncs, k.held_s, u.launches, u.sync_s))
             rate = _sync_rate(k, now)
-            k.probe_share = _probe_share(k, now, u, obs.probe_s)
+            window = _window(k, now, u)
+            k.probe_share = _probe_share(window, obs.probe_s)
+            k.host_paced = _host_paced(k, window)
             mode = (Mode.DUTY if rate >= PACED_HZ else
                     Mode.BUDGET if rate < UNPACED_HZ else k.mode)
             if mode != k.mode:
@@ -314,13 +373,18 @@ class DutyPacer:
                 k.asked_since = None
                 changes.append((key, mode))
             ask = Ask.NONE
-            if k.mode is Mode.DUTY and not held and k.debt >= self.quantum_s:
+            quantum = self._quantum(k)
+            said = k.host_paced and k.mode is Mode.DUTY
+            if said != k.said_host:
+                k.said_host = said
+                slices.append((key, said, quantum))
+            if k.mode is Mode.DUTY and not held and k.debt >= quantum:
                 if k.asked_since is None:
                     k.asked_since = now
                 ask = Ask.LAUNCH if now - k.asked_since >= FORCE_AFTER_S else Ask.SYNC
             else:
                 k.asked_since = None
-            decisions[key] = KeyDecision(k.mode, ask, k.debt, k.probe_share)
+            decisions[key] = KeyDecision(k.mode, ask, k.debt, k.probe_share, k.host_paced, quantum)
 
         self._asked = {key[0] for key, d in decisions.items() if d.ask is not Ask.NONE}
         # Devices where a paced group runs now: another paced group there
@@ -337,7 +401,8 @@ class DutyPacer:
                 continue    # held by the launch budget, or by someone else's rule
             owed = max((k.debt for k in mine.values()), default=0.0)
             devices = {key[1] for key in mine}
-            if now - since >= self.max_hold_s - DUE_EPS_S:
+            bound = max([self.max_hold_s] + [self._bound(k) for k in mine.values()])
+            if now - since >= bound - DUE_EPS_S:
                 release.add(gi)
                 if owed > DUE_EPS_S or devices & running:
                     cut.add(gi)
@@ -346,7 +411,8 @@ class DutyPacer:
                 release.add(gi)
                 running |= devices
             else:
-                due = now + min(max(owed, DUTY_WAIT_S), self.max_hold_s - (now - since))
+                due = now + min(max(owed, DUTY_WAIT_S), bound - (now - since))
                 next_step = due if next_step is None else min(next_step, due)
         return Decision(keys=decisions, release=frozenset(release), cut_short=frozenset(cut),
-                        mode_changes=tuple(changes), next_step=next_step)
+                        mode_changes=tuple(changes), next_step=next_step,
+                        slice_changes=tuple(slices))

@@ -70,22 +70,24 @@ class Step:
 
 class Controller(Protocol):
     def step(self, now: float, consumed: int, syncs: int, held_since: float | None,
-             waiting: int = 0) -> Step: ...
+             waiting: int = 0, launches: int = 0, sync_s: float = 0.0) -> Step: ...
 
 
 class DutyController:
     """duty.DutyPacer for one group on one device, as the daemon would drive it."""
 
-    def __init__(self, cap: float, group: int = 0, device: int = 0) -> None:
+    def __init__(self, cap: float, group: int = 0, device: int = 0,
+                 pacer: duty.DutyPacer | None = None) -> None:
         self.cap = cap
         self.key = (group, device)
-        self.pacer = duty.DutyPacer()
+        self.pacer = pacer or duty.DutyPacer()
 
     def step(self, now: float, consumed: int, syncs: int, held_since: float | None,
-             waiting: int = 0) -> Step:
+             waiting: int = 0, launches: int = 0, sync_s: float = 0.0) -> Step:
         g = self.key[0]
         obs = duty.Observation(now=now, caps={self.key: self.cap},
-                               use={self.key: duty.Use(consumed, syncs, waiting)},
+                               use={self.key: duty.Use(consumed, syncs, waiting, launches,
+                                                       sync_s)},
                                held={g: held_since} if held_since is not None else {})
         d = self.pacer.step(obs)
         k = d.keys[self.key]
@@ -93,6 +95,19 @@ class DutyController:
 
 
 # -- the replay ----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Cold:
+    """A host program that starts cold after a stop: for `seconds` after each
+    release its host work runs at `speed` of its usual pace (GPU work does not
+    change). COLD_MEASURED is what a decode loop showed on the H200's host, stopped
+    and continued from outside at 50% duty (bench/gpu/stopcont.py): ~82% of
+    its free speed per second of running at a 0.1 s period, ~100% at 0.4 s."""
+    seconds: float
+    speed: float
+
+
+COLD_MEASURED = Cold(seconds=0.03, speed=0.7)
 
 _HOST, _WAIT, _DONE = 0, 1, 2
 
@@ -114,11 +129,13 @@ class Run:
 
 def replay(wl: Workload, controller: Controller | None = None, *, cap: float | None = None,
            horizon: float | None = None, tick: float = TICK_S, seen_after: float = 0.0,
-           late_by: float = 0.0) -> Run:
+           late_by: float = 0.0, cold: Cold | None = None) -> Run:
     """`seen_after`: a stop reaches the controller this long after it happened
     (its event in the ring buffer); steps before that see the group running.
     `late_by`: a step the controller asks for comes this much later (the
-    daemon's loop busy elsewhere), so a hold due to end outlasts its debt."""
+    daemon's loop busy elsewhere), so a hold due to end outlasts its debt.
+    `cold`: after each release the host program runs slower for a while
+    (Cold); None: a stop costs it nothing."""
     ths = wl.threads
     n = len(ths)
     idx = [0] * n
@@ -126,6 +143,9 @@ def replay(wl: Workload, controller: Controller | None = None, *, cap: float | N
     rem = [th.gaps[0] if th.kinds else 0.0 for th in ths]
     ready = [0.0] * n
     now, gpu_free, consumed, syncs = 0.0, 0.0, 0, 0
+    launches, sync_s = 0, 0.0
+    entered = [0.0] * n          # when each thread entered its synchronize
+    cold_until = -1.0            # the host runs at cold.speed until then
     held_since: float | None = None
     ask = duty.Ask.NONE
     done_at: list[float] = []
@@ -158,10 +178,13 @@ def replay(wl: Workload, controller: Controller | None = None, *, cap: float | N
         t_next = next_tick
         if step_at is not None:
             t_next = min(t_next, step_at)
+        speed = cold.speed if cold is not None and now < cold_until else 1.0
         if held_since is None:
+            if speed < 1.0:
+                t_next = min(t_next, cold_until)
             for i in range(n):
                 if state[i] == _HOST:
-                    t_next = min(t_next, now + rem[i])
+                    t_next = min(t_next, now + rem[i] / speed)
                 elif state[i] == _WAIT:
                     t_next = min(t_next, ready[i])
         if horizon is not None:
@@ -173,7 +196,7 @@ def replay(wl: Workload, controller: Controller | None = None, *, cap: float | N
             dt = t_next - now
             for i in range(n):
                 if state[i] == _HOST:
-                    rem[i] -= dt
+                    rem[i] -= dt * speed
         now = t_next
         progressed = True
         while progressed and held_since is None:
@@ -191,13 +214,16 @@ def replay(wl: Workload, controller: Controller | None = None, *, cap: float | N
                         start = now if now > gpu_free else gpu_free
                         gpu_free = start + th.gpu[k]
                         consumed += th.costs[k]
+                        launches += th.counts[k]
                         finish_action(i)
                     else:
                         state[i] = _WAIT
+                        entered[i] = now
                         ready[i] = max(now, gpu_free) + wl.floor
                     progressed = True
                 elif state[i] == _WAIT and ready[i] <= now + _EPS:
                     syncs += 1
+                    sync_s += now - entered[i]
                     returns.append(now)
                     finish_action(i)
                     progressed = True
@@ -212,7 +238,8 @@ def replay(wl: Workload, controller: Controller | None = None, *, cap: float | N
             seen = held_since if held_since is not None and now >= held_since + seen_after - _EPS \
                 else None
             s = controller.step(now, consumed, syncs, seen,
-                                waiting=sum(1 for st in state if st == _WAIT))
+                                waiting=sum(1 for st in state if st == _WAIT),
+                                launches=launches, sync_s=sync_s)
             modes.append((now, s.mode))
             if last_mode is not None and s.mode != last_mode:
                 mode_changes += 1
@@ -221,6 +248,8 @@ def replay(wl: Workload, controller: Controller | None = None, *, cap: float | N
             if s.release and seen is not None:
                 holds.append((held_since, now))
                 held_since = None
+                if cold is not None:
+                    cold_until = now + cold.seconds
             ask = s.ask if held_since is None else duty.Ask.NONE
             step_at = None if s.next_step is None else max(s.next_step + late_by, now + MIN_STEP_S)
     if held_since is not None:
@@ -231,9 +260,10 @@ def replay(wl: Workload, controller: Controller | None = None, *, cap: float | N
 
 
 def replay_capped(wl: Workload, cap: float, *, horizon: float | None = None,
-                  seen_after: float = 0.0, late_by: float = 0.0, tick: float = TICK_S) -> Run:
-    return replay(wl, DutyController(cap), cap=cap, horizon=horizon, seen_after=seen_after,
-                  late_by=late_by, tick=tick)
+                  seen_after: float = 0.0, late_by: float = 0.0, tick: float = TICK_S,
+                  cold: Cold | None = None, pacer: duty.DutyPacer | None = None) -> Run:
+    return replay(wl, DutyController(cap, pacer=pacer), cap=cap, horizon=horizon,
+                  seen_after=seen_after, late_by=late_by, tick=tick, cold=cold)
 
 
 # -- what a run shows ----------------------------------------------------------
@@ -378,7 +408,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("traces", nargs="*", help="recordings (.json.gz); none: the synthetic ones")
     ap.add_argument("--caps", default="25,50,75")
     ap.add_argument("--horizon", type=float, default=None, help="virtual seconds per run at most")
+    ap.add_argument("--cold", action="store_true",
+                    help="the host program runs slower for a while after each stop (COLD_MEASURED)")
     a = ap.parse_args(argv)
+    cold = COLD_MEASURED if a.cold else None
     caps = [float(c) for c in a.caps.split(",") if c]
     if a.traces:
         recs = [load(p) for p in a.traces]
@@ -395,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
               + (f", timed loop {rec.loop_start:.2f}-{rec.loop_end:.2f} s"
                  if rec.loop_start is not None else ""))
         for cap in caps:
-            run = replay_capped(wl, cap, horizon=a.horizon)
+            run = replay_capped(wl, cap, horizon=a.horizon, cold=cold)
             print("  " + compare(run, base, (rec.loop_start, rec.loop_end)).line())
     return 0
 

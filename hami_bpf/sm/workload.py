@@ -149,6 +149,7 @@ class Thread:
     kinds: list = field(default_factory=list)    # LAUNCH or SYNC
     gaps: list = field(default_factory=list)     # host seconds before the action
     costs: list = field(default_factory=list)    # launch: cost units
+    counts: list = field(default_factory=list)   # launch: launches in it (a bin's share)
     gpu: list = field(default_factory=list)      # launch: GPU seconds (the fit)
     at: list = field(default_factory=list)       # recorded time: launch, or synchronize's return
 
@@ -213,7 +214,7 @@ def _fold_syncs(syncs: list) -> tuple[dict, int]:
 
 
 def _pieces(rec: Recording, syncs: dict) -> list:
-    """Launch bins split around their thread's synchronize calls: (t, tid, cost)."""
+    """Launch bins split around their thread's synchronize calls: (t, tid, cost, n)."""
     out = []
     enters = {tid: [s[0] for s in lst] for tid, lst in syncs.items()}
     for t0, tid, n, cost in rec.launches:
@@ -226,7 +227,7 @@ def _pieces(rec: Recording, syncs: dict) -> list:
             over.append(lst[j])
             j -= 1
         if not over:
-            out.append(((t0 + t1) / 2, tid, cost))
+            out.append(((t0 + t1) / 2, tid, cost, n))
             continue
         over.reverse()
         parts, cur = [], t0
@@ -237,15 +238,16 @@ def _pieces(rec: Recording, syncs: dict) -> list:
         if cur < t1:
             parts.append((cur, t1))
         if not parts:           # all of it inside a synchronize: launched after it returned
-            out.append((cur, tid, cost))
+            out.append((cur, tid, cost, n))
             continue
         span = sum(b - a for a, b in parts)
-        done, acc = 0, 0.0
+        done, done_n, acc = 0, 0, 0.0
         for a, b in parts:
             acc += b - a
-            upto = round(cost * acc / span)
+            upto, upto_n = round(cost * acc / span), round(n * acc / span)
             if upto > done:
-                out.append(((a + b) / 2, tid, upto - done))
+                out.append(((a + b) / 2, tid, upto - done, upto_n - done_n))
+                done_n = upto_n
             done = upto
     out.sort()
     return out
@@ -258,7 +260,7 @@ def _alpha_to_finish(c0: float, seg: list, target: float) -> float:
         return 0.0
     best = (target - c0) / total
     rest = total
-    for t, _tid, cost in seg:
+    for t, _tid, cost, _n in seg:
         if rest > 0:
             best = min(best, (target - t) / rest)
         rest -= cost
@@ -267,7 +269,7 @@ def _alpha_to_finish(c0: float, seg: list, target: float) -> float:
 
 def _finish(c0: float, seg: list, alpha: float) -> float:
     c = c0
-    for t, _tid, cost in seg:
+    for t, _tid, cost, _n in seg:
         c = max(c, t) + alpha * cost
     return c
 
@@ -307,15 +309,16 @@ def fit(rec: Recording) -> Workload:
             gpu[i] = alpha * pieces[i][2]
 
     threads: dict[int, Thread] = {}
-    acts = [(t, 0, tid, LAUNCH, t, cost, g) for (t, tid, cost), g in zip(pieces, gpu)]
-    acts += [(e, 1, tid, SYNC, r, 0, 0.0) for e, r, tid in flat]
+    acts = [(t, 0, tid, LAUNCH, t, cost, g, n) for (t, tid, cost, n), g in zip(pieces, gpu)]
+    acts += [(e, 1, tid, SYNC, r, 0, 0.0, 0) for e, r, tid in flat]
     acts.sort()
     last: dict[int, float] = {}
-    for start, _o, tid, kind, end, cost, g in acts:
+    for start, _o, tid, kind, end, cost, g, n in acts:
         th = threads.setdefault(tid, Thread(tid))
         th.gaps.append(max(start - last.get(tid, 0.0), 0.0))
         th.kinds.append(kind)
         th.costs.append(cost)
+        th.counts.append(n)
         th.gpu.append(g)
         th.at.append(end)
         last[tid] = end

@@ -29,8 +29,8 @@ def idle_floor_of(cap: float) -> float:
     return -duty.BURST_S * (100.0 - c) / c
 
 
-def floor_of(cap: float) -> float:
-    return idle_floor_of(cap) - duty.MAX_HOLD_S
+def floor_of(cap: float, bound: float = duty.MAX_HOLD_S) -> float:
+    return idle_floor_of(cap) - bound
 
 
 caps = st.floats(min_value=1.0, max_value=99.0)
@@ -129,7 +129,10 @@ def test_a_held_group_is_released_once_held_for_max_hold(cap, seed, sync_lo, syn
     p = DutyPacer()
 
     def check(now, since, d):
-        if since is not None and now - since >= duty.MAX_HOLD_S:
+        # Its bound: MAX_HOLD_S, or twice its longer quantum where its
+        # launching thread sets its pace (it spends no time synchronizing here).
+        assert duty.MAX_HOLD_S <= p.hold_bound(KEY[0]) <= 2 * duty.HOST_QUANTUM_MAX_S
+        if since is not None and now - since >= p.hold_bound(KEY[0]):
             assert KEY[0] in d.release, (now, since, d)
 
     drive(p, random.Random(seed), 6.0, cap, sync_every=(sync_lo, sync_lo + sync_span),
@@ -149,7 +152,7 @@ def test_debt_stays_between_its_floor_and_max_debt(steps):
         consumed += ncost
         since = (since if since is not None else now - gap / 2) if held else None
         k = p.step(obs(now, consumed, syncs, cap=cap, held_since=since)).keys[KEY]
-        assert floor_of(cap) - 1e-12 <= k.debt <= duty.MAX_DEBT_S + 1e-12
+        assert floor_of(cap, p.hold_bound(KEY[0])) - 1e-12 <= k.debt <= duty.MAX_DEBT_S + 1e-12
 
 
 @given(cap=caps, steps=st.lists(st.tuples(gaps, st.integers(0, 3), st.integers(0, 10**5)),
@@ -540,7 +543,7 @@ def test_a_hold_it_did_not_ask_for_is_not_its_to_end():
 @settings(max_examples=300, deadline=None)
 def test_stepped_at_next_step_a_hold_ends_when_due(start, cap, run, at):
     # Monotonic clocks run to 1e7 s; a step at next_step lands within rounding
-    # of the debt's or MAX_HOLD_S's end, and the hold must end right there.
+    # of the debt's or its hold bound's end, and the hold must end right there.
     p, n, now = paced(cap=cap, start=start)
     t_end = now + run
     while now < t_end:
@@ -557,8 +560,9 @@ def test_stepped_at_next_step_a_hold_ends_when_due(start, cap, run, at):
         d = p.step(obs(now, n, n, cap=cap, held_since=since))
         steps += 1
         assert steps <= 1, (owed, now - since)
-    assert now - since <= duty.MAX_HOLD_S + 1e-6
-    assert now - since >= min(max(owed, 0.0), duty.MAX_HOLD_S) - 1e-6
+    bound = p.hold_bound(KEY[0])
+    assert now - since <= bound + 1e-6
+    assert now - since >= min(max(owed, 0.0), bound) - 1e-6
 
 
 def test_a_group_waiting_in_a_synchronize_is_active():
@@ -579,14 +583,19 @@ def test_a_group_waiting_in_a_synchronize_is_active():
 
 # -- the launch probe's own time --------------------------------------------------
 
-def run_host_loop(cap, launch_hz, probe_s, wait_share=0.0, seconds=20.0, tick=0.01):
+def run_host_loop(cap, launch_hz, probe_s, wait_share=0.0, seconds=20.0, tick=0.01,
+                  pacer=None, episodes=None):
     """A loop that synchronizes every tick and launches `launch_hz` a second
-    while it runs, `wait_share` of its running time inside synchronize calls;
-    stops at its next synchronize when asked. Returns (share of the time it
-    ran after its first 2 s, the last probe share the pacer gave)."""
-    p = DutyPacer()
+    while it runs, `wait_share` of its running time inside synchronize calls
+    (a number, or a function of the time); stops at its next synchronize when
+    asked. Returns (share of the time it ran after its first 2 s, the last
+    probe share the pacer gave). `episodes`, a list: gets (start, run s, held
+    s) of each run followed by its hold, and `pacer` steps it."""
+    p = pacer or DutyPacer()
+    share_at = wait_share if callable(wait_share) else (lambda _t: wait_share)
     now, consumed, launches, syncs, sync_s = 0.0, 0, 0, 0, 0.0
     since, run_s, held_s = None, 0.0, 0.0
+    ran_from, released = 0.0, 0.0
 
     def step():
         return p.step(Observation(now=now, caps={KEY: cap}, held={} if since is None else {0: since},
@@ -600,17 +609,19 @@ def run_host_loop(cap, launch_hz, probe_s, wait_share=0.0, seconds=20.0, tick=0.
             launches += round(launch_hz * dt)
             consumed += round(launch_hz * dt)
             syncs += 1
-            sync_s += wait_share * dt
+            sync_s += share_at(now) * dt
             run_s += dt if now >= 2.0 else 0.0
         else:
             held_s += dt if now >= 2.0 else 0.0
         asked = since is None and d.keys[KEY].ask is not Ask.NONE
         now = nxt
         if asked:
-            since = now
+            since, ran_from = now, released
         d = step()
         if since is not None and 0 in d.release:
-            since = None
+            if episodes is not None:
+                episodes.append((ran_from, since - ran_from, now - since))
+            since, released = None, now
     return 100.0 * run_s / (run_s + held_s), d.keys[KEY].probe_share
 
 
@@ -637,3 +648,85 @@ def test_the_probe_allowance_is_bounded():
     share, probe = run_host_loop(25.0, 1_000_000, 2e-6)
     assert probe == duty.MAX_PROBE_SHARE
     assert share == pytest.approx(25.0 / (1 - duty.MAX_PROBE_SHARE), abs=1.5)
+
+
+# -- a group its launching thread paces: longer slices ---------------------------
+
+def slices(cap, wait_share, pacer=None, seconds=20.0):
+    eps: list = []
+    share, _ = run_host_loop(cap, 10_000, 0.0, wait_share=wait_share, seconds=seconds,
+                             pacer=pacer, episodes=eps)
+    return share, [e for e in eps if e[0] >= 3.0]     # after it is seen host-paced
+
+
+@pytest.mark.parametrize("cap", [25.0, 50.0, 75.0])
+def test_a_host_paced_group_runs_at_least_host_run_s_between_holds(cap):
+    share, eps = slices(cap, 0.1)
+    owes = (100.0 - cap) / cap
+    quantum = min(max(duty.QUANTUM_S, duty.HOST_RUN_S * owes), duty.HOST_QUANTUM_MAX_S)
+    assert eps
+    tick = 0.01     # it stops at its next synchronize: up to a tick's debt more
+    for _start, run, held in eps:
+        assert run == pytest.approx(quantum / owes, abs=2 * tick + 0.011)
+        assert held == pytest.approx(quantum, abs=(owes + 1) * tick + 0.011)
+        assert held <= 2 * quantum
+    # fewer, longer holds: the same share of the time
+    assert share == pytest.approx(cap, abs=1.5)
+
+
+def test_a_group_that_waits_for_the_gpu_keeps_the_short_quantum():
+    share, eps = slices(50.0, 0.7)
+    assert eps and all(held == pytest.approx(duty.QUANTUM_S, abs=0.021) for _s, _r, held in eps)
+    assert share == pytest.approx(50.0, abs=1.5)
+
+
+def test_host_run_s_zero_holds_a_host_paced_group_as_any_other():
+    share, eps = slices(50.0, 0.1, pacer=DutyPacer(host_run_s=0.0))
+    assert eps and all(held == pytest.approx(duty.QUANTUM_S, abs=0.021) for _s, _r, held in eps)
+    assert share == pytest.approx(50.0, abs=1.5)
+
+
+def test_the_host_paced_test_has_hysteresis():
+    # 0.1 waited, then 0.55 (between the two thresholds: stays host-paced),
+    # then 0.8 (waits for the GPU), then 0.55 again (stays with the GPU)
+    phases = [(0.0, 0.1), (6.0, 0.55), (12.0, 0.8), (18.0, 0.55)]
+
+    def wait_share(t):
+        return [w for start, w in phases if t >= start][-1]
+    eps: list = []
+    run_host_loop(50.0, 10_000, 0.0, wait_share=wait_share, seconds=24.0, episodes=eps)
+    held_in = lambda lo, hi: [h for s, _r, h in eps if lo + 2.0 <= s < hi]  # noqa: E731
+    long_hold = duty.HOST_RUN_S     # cap 50 owes a second per second run
+    assert all(h == pytest.approx(long_hold, abs=0.021) for h in held_in(0.0, 12.0))
+    assert all(h == pytest.approx(duty.QUANTUM_S, abs=0.021) for h in held_in(12.0, 24.0))
+    assert held_in(0.0, 12.0) and held_in(12.0, 24.0)
+
+
+@given(cap=st.floats(10.0, 99.0), waited=st.sampled_from([0.0, 0.3, 0.7, 1.0]))
+@settings(max_examples=60, deadline=None)
+def test_every_hold_is_bounded_and_the_share_kept(cap, waited):
+    # (from cap 10: below it a run of one 10 ms tick between the longest
+    # holds is already more than the cap)
+    eps: list = []
+    share, _ = run_host_loop(cap, 10_000, 0.0, wait_share=waited, seconds=12.0, episodes=eps)
+    for _s, _r, held in eps:
+        assert held <= 2 * duty.HOST_QUANTUM_MAX_S + 1e-9
+    # the longest hold at low caps leaves a short run: the share still holds
+    assert share == pytest.approx(cap, abs=2.5)
+
+
+def test_a_change_of_slices_is_reported_once_each_way():
+    p = DutyPacer()
+    changes = []
+    orig = p.step
+
+    def step(o):
+        d = orig(o)
+        changes.extend(d.slice_changes)
+        return d
+    p.step = step
+    phases = [(0.0, 0.1), (8.0, 0.8)]
+    run_host_loop(50.0, 10_000, 0.0, pacer=p, seconds=16.0,
+                  wait_share=lambda t: [w for s, w in phases if t >= s][-1])
+    assert changes == [(KEY, True, pytest.approx(duty.HOST_RUN_S)),
+                       (KEY, False, duty.QUANTUM_S)]

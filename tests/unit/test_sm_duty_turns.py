@@ -9,11 +9,14 @@ from hami_bpf.sm.duty import Ask, DutyPacer, Observation, Use
 DT = 0.002
 
 
-def simulate(caps: dict[tuple[int, int], float], seconds: float, idle: set[int] = frozenset()):
-    """Groups that are always active and stop at once when asked; returns
-    (running share per group, seconds two groups of one device ran at once,
-    longest hold)."""
+def simulate(caps: dict[tuple[int, int], float], seconds: float, idle: set[int] = frozenset(),
+             waited: float = 0.9):
+    """Groups that are always active and stop at once when asked, spending
+    `waited` of their running time inside synchronize calls (0: their
+    launching thread sets their pace); returns (running share per group,
+    seconds two groups of one device ran at once, longest hold)."""
     p = DutyPacer()
+    sync_s = {k: 0.0 for k in caps}
     t = 0.0
     c = {k: 0 for k in caps}
     held: dict[int, float] = {}
@@ -26,9 +29,10 @@ def simulate(caps: dict[tuple[int, int], float], seconds: float, idle: set[int] 
         for k in running:
             c[k] += 1
             ran[k] += DT
+            sync_s[k] += DT * waited
         if len({k[1] for k in running}) < len(running):
             overlap += DT
-        d = p.step(Observation(t, caps, {k: Use(c[k], c[k]) for k in caps}, dict(held)))
+        d = p.step(Observation(t, caps, {k: Use(c[k], c[k], sync_s=sync_s[k]) for k in caps}, dict(held)))
         for g in d.release:
             longest = max(longest, t - held.pop(g))
         for k, kd in d.keys.items():
@@ -43,6 +47,14 @@ def test_two_groups_30_70_alternate_at_their_caps():
     # Only the first second, while neither is paced yet, runs side by side.
     assert overlap <= duty.SYNC_WINDOW_S + 0.2, overlap
     assert longest <= duty.MAX_HOLD_S + 2 * DT
+
+
+def test_two_host_paced_groups_30_70_take_longer_turns_at_their_caps():
+    share, overlap, longest = simulate({(1, 0): 30, (2, 0): 70}, 20, waited=0.0)
+    assert abs(share[(1, 0)] - 30) <= 3 and abs(share[(2, 0)] - 70) <= 3, share
+    assert overlap <= duty.SYNC_WINDOW_S + 0.2, overlap
+    # the group at 30 owes 7/3 s per second run: held for HOST_RUN_S x 7/3 at a time
+    assert duty.MAX_HOLD_S < longest <= 2 * duty.HOST_QUANTUM_MAX_S + 2 * DT, longest
 
 
 def test_an_idle_neighbour_does_not_hold_a_group_back():
