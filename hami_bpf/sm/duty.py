@@ -25,17 +25,18 @@ A hold counts from the probe's stop, also where its event reaches the
 controller after a step that counted that time as running: the step is
 corrected when the hold is first seen (at cap 25 a millisecond counted as
 running owes three held, so uncorrected the group would run less than its cap).
-Debt has floors (an idle group banks at most BURST_S of running; a hold
-that outlasts its debt, because the daemon's turn came late or a neighbour
-ran, is credited up to its hold bound) and a ceiling (MAX_DEBT_S). Once debt reaches QUANTUM_S the group
-is asked to stop at its next synchronize's return (BPF, `hold_at_sync`); if
-none comes within FORCE_AFTER_S, at its next launch. A held group is released
-once its debts are paid and no other paced group runs on its devices (their
-turns do not overlap: two processes time-slicing a GPU get less done than
-either alone), and after its hold bound whatever they say (MAX_HOLD_S;
-longer for a host-paced group, below): a hold never outlives that, so a wrong estimate can only let a group run more. A hold it
-asked for stays its to end when the group leaves DUTY mode or loses its cap
-while held (it is released then: its debts are forgiven).
+Debt has floors (an idle group banks at most BURST_S of running; a hold that
+outlasts its debt, because the daemon's turn came late or a neighbour ran, is
+credited up to its hold bound) and a ceiling (MAX_DEBT_S). Once debt reaches
+QUANTUM_S the group is asked to stop at its next synchronize's return (BPF,
+`hold_at_sync`); if none comes within FORCE_AFTER_S, at its next launch. A
+held group is released once its debts are paid and no other paced group runs
+on its devices (their turns do not overlap: two processes time-slicing a GPU
+get less done than either alone), and after its hold bound whatever they say
+(MAX_HOLD_S; longer for a host-paced group, below): a hold never outlives
+that, so a wrong estimate can only let a group run more. A hold it asked for
+stays its to end when the group leaves DUTY mode or loses its cap while held
+(it is released then: its debts are forgiven).
 
 The synchronize rate that decides the mode is counted per second of running,
 time held left out: a group held three quarters of the time at cap 25
@@ -64,10 +65,11 @@ A group whose launching thread sets its pace is held less often, for
 longer: it runs at least HOST_RUN_S between holds (its hold, the debt at which
 it is asked, grows to HOST_RUN_S x (100 - cap) / cap, at most
 HOST_QUANTUM_MAX_S, and its bound to twice that). Such a loop runs slower for
-a while after each stop (its CPU's caches and clocks start cold; the GPU does
-not wait for it, so nothing hides it): stopped and continued from outside at a
-0.1 s period and 50% duty a decode loop ran at ~82% of its free speed per
-second of running, at a 0.4 s period at ~100% (bench/gpu/stopcont.py). A
+a while after each stop, and no queue of GPU work hides it: stopped and
+continued from outside at a 0.1 s period and 50% duty a decode loop ran at
+~82% of its free speed per second of running, at a 0.4 s period at ~100%,
+whether or not its CPU was kept busy while it was stopped
+(bench/gpu/stopcont.py). A
 group that waits for the GPU loses nothing to a stop and keeps the short
 quantum, which keeps neighbours' turns fine-grained. The test is the waited
 share: under WAITED_SHARE of its running time inside synchronize calls over
@@ -374,7 +376,7 @@ class DutyPacer:
                 changes.append((key, mode))
             ask = Ask.NONE
             quantum = self._quantum(k)
-            said = k.host_paced and k.mode is Mode.DUTY
+            said = k.host_paced and k.mode is Mode.DUTY and self.host_run_s > 0
             if said != k.said_host:
                 k.said_host = said
                 slices.append((key, said, quantum))

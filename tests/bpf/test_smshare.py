@@ -20,6 +20,7 @@ import pytest
 
 from hami_bpf.fakecuda import CudaProc, build
 from hami_bpf.server import fetch_snapshot, query
+from hami_bpf.sm import duty
 from hami_bpf.throttle import LEARN_ALONE_S
 from helpers import Daemon, Sampled, Tracked, finish_daemon, gname, wait_for
 
@@ -281,5 +282,14 @@ def test_a_group_that_synchronizes_often_is_paced_by_time(tmp_path, sim, cap):
         assert modes and modes[0] == "duty", (modes, d.log()[-2000:])
         assert counters.get("sm_holds_at_sync", 0) > 0, counters
         assert abs(share - cap) <= TOLERANCE, f"cap {cap} ran at {share:.1f}%\n{d.log()[-2000:]}"
+        # Its host loop sets its pace (a quarter of its time in synchronizes):
+        # held in longer slices, at least HOST_RUN_S of running between holds.
+        slices = [e["data"] for e in events
+                  if (e["kind"], e["what"]) == ("throttle", "slices") and e["data"]["group"] == name]
+        owes = (100 - cap) / cap
+        hold = min(max(duty.QUANTUM_S, duty.HOST_RUN_S * owes), duty.HOST_QUANTUM_MAX_S)
+        assert slices and slices[0]["host_paced"] is True, (slices, d.log()[-2000:])
+        assert slices[0]["hold_ms"] == round(hold * 1000), slices
+        assert counters.get("sm_slices_host", 0) >= 1, counters
     finally:
         finish_daemon(d)

@@ -681,7 +681,12 @@ def test_a_group_that_waits_for_the_gpu_keeps_the_short_quantum():
 
 
 def test_host_run_s_zero_holds_a_host_paced_group_as_any_other():
-    share, eps = slices(50.0, 0.1, pacer=DutyPacer(host_run_s=0.0))
+    p = DutyPacer(host_run_s=0.0)
+    said = []
+    orig = p.step
+    p.step = lambda o: (lambda d: said.extend(d.slice_changes) or d)(orig(o))
+    share, eps = slices(50.0, 0.1, pacer=p)
+    assert said == []
     assert eps and all(held == pytest.approx(duty.QUANTUM_S, abs=0.021) for _s, _r, held in eps)
     assert share == pytest.approx(50.0, abs=1.5)
 
