@@ -36,7 +36,8 @@ The timed loop
 
 Not modelled: the launch budget (hami_bpf.throttle); a group in BUDGET mode
 runs freely here and the report says how long it was in that mode. Launch
-queue back-pressure is only present as the recorded host gaps.
+queue back-pressure is only present as the recorded host gaps. A stop costs
+the host program nothing, unless `cold` (Cold) says what it costs.
 """
 from __future__ import annotations
 
@@ -100,9 +101,10 @@ class DutyController:
 class Cold:
     """A host program that starts cold after a stop: for `seconds` after each
     release its host work runs at `speed` of its usual pace (GPU work does not
-    change). COLD_MEASURED is what a decode loop showed on the H200's host, stopped
-    and continued from outside at 50% duty (bench/gpu/stopcont.py): ~82% of
-    its free speed per second of running at a 0.1 s period, ~100% at 0.4 s."""
+    change). COLD_MEASURED (about 9 ms of host work lost per stop) is fitted to
+    what a decode loop did on the H200's host, stopped and continued from
+    outside at 50% duty (bench/gpu/stopcont.py): ~82% of its free speed per
+    second of running at a 0.1 s period, ~100% at 0.4 s."""
     seconds: float
     speed: float
 
