@@ -287,11 +287,15 @@ class DutyPacer:
     def _bound(self, k: _Key) -> float:
         return max(self.max_hold_s, 2 * self._quantum(k))
 
+    def _bound_of(self, keys) -> float:
+        """The hold bound of a group whose DUTY keys these are."""
+        return max([self.max_hold_s] + [self._bound(k) for k in keys])
+
     def hold_bound(self, group_index: int) -> float:
         """How long a hold of this group may last at most (max_hold_s, longer
         for a host-paced group in DUTY mode): no hold outlives it."""
-        return max([self.max_hold_s] + [self._bound(k) for key, k in self._keys.items()
-                                        if key[0] == group_index and k.mode is Mode.DUTY])
+        return self._bound_of(k for key, k in self._keys.items()
+                              if key[0] == group_index and k.mode is Mode.DUTY)
 
     @staticmethod
     def _held_before(k: _Key, since: float, counts_held: bool) -> None:
@@ -403,7 +407,7 @@ class DutyPacer:
                 continue    # held by the launch budget, or by someone else's rule
             owed = max((k.debt for k in mine.values()), default=0.0)
             devices = {key[1] for key in mine}
-            bound = max([self.max_hold_s] + [self._bound(k) for k in mine.values()])
+            bound = self._bound_of(mine.values())
             if now - since >= bound - DUE_EPS_S:
                 release.add(gi)
                 if owed > DUE_EPS_S or devices & running:

@@ -652,6 +652,24 @@ def test_the_probe_allowance_is_bounded():
 
 # -- a group its launching thread paces: longer slices ---------------------------
 
+def reported_slices(p: DutyPacer) -> list:
+    """The slice changes p's steps report from now on, in order."""
+    said: list = []
+    step = p.step
+
+    def spy(o):
+        d = step(o)
+        said.extend(d.slice_changes)
+        return d
+    p.step = spy
+    return said
+
+
+def in_phases(phases):
+    """A waited share by time: [(from, share), ...] in order."""
+    return lambda t: [w for start, w in phases if t >= start][-1]
+
+
 def slices(cap, wait_share, pacer=None, seconds=20.0):
     eps: list = []
     share, _ = run_host_loop(cap, 10_000, 0.0, wait_share=wait_share, seconds=seconds,
@@ -682,9 +700,7 @@ def test_a_group_that_waits_for_the_gpu_keeps_the_short_quantum():
 
 def test_host_run_s_zero_holds_a_host_paced_group_as_any_other():
     p = DutyPacer(host_run_s=0.0)
-    said = []
-    orig = p.step
-    p.step = lambda o: (lambda d: said.extend(d.slice_changes) or d)(orig(o))
+    said = reported_slices(p)
     share, eps = slices(50.0, 0.1, pacer=p)
     assert said == []
     assert eps and all(held == pytest.approx(duty.QUANTUM_S, abs=0.021) for _s, _r, held in eps)
@@ -694,10 +710,7 @@ def test_host_run_s_zero_holds_a_host_paced_group_as_any_other():
 def test_the_host_paced_test_has_hysteresis():
     # 0.1 waited, then 0.55 (between the two thresholds: stays host-paced),
     # then 0.8 (waits for the GPU), then 0.55 again (stays with the GPU)
-    phases = [(0.0, 0.1), (6.0, 0.55), (12.0, 0.8), (18.0, 0.55)]
-
-    def wait_share(t):
-        return [w for start, w in phases if t >= start][-1]
+    wait_share = in_phases([(0.0, 0.1), (6.0, 0.55), (12.0, 0.8), (18.0, 0.55)])
     eps: list = []
     run_host_loop(50.0, 10_000, 0.0, wait_share=wait_share, seconds=24.0, episodes=eps)
     held_in = lambda lo, hi: [h for s, _r, h in eps if lo + 2.0 <= s < hi]  # noqa: E731
@@ -722,16 +735,8 @@ def test_every_hold_is_bounded_and_the_share_kept(cap, waited):
 
 def test_a_change_of_slices_is_reported_once_each_way():
     p = DutyPacer()
-    changes = []
-    orig = p.step
-
-    def step(o):
-        d = orig(o)
-        changes.extend(d.slice_changes)
-        return d
-    p.step = step
-    phases = [(0.0, 0.1), (8.0, 0.8)]
+    changes = reported_slices(p)
     run_host_loop(50.0, 10_000, 0.0, pacer=p, seconds=16.0,
-                  wait_share=lambda t: [w for s, w in phases if t >= s][-1])
+                  wait_share=in_phases([(0.0, 0.1), (8.0, 0.8)]))
     assert changes == [(KEY, True, pytest.approx(duty.HOST_RUN_S)),
                        (KEY, False, duty.QUANTUM_S)]
