@@ -34,14 +34,87 @@ TICK = os.sysconf("SC_CLK_TCK")
 
 
 def parse_plan(text):
+    """[(name, duty, cap, seconds)]: free (duty 100, no cap), dC (the script
+    stops it), capC (the daemon caps its group at C; duty 100 here)."""
     out = []
     for item in text.split():
         name, _, secs = item.partition(":")
-        duty = 100 if name == "free" else int(name.lstrip("d"))
-        if not 0 < duty <= 100:
-            raise SystemExit(f"plan item {item!r}: duty must be 1..100")
-        out.append((name, duty, float(secs)))
+        cap = int(name[3:]) if name.startswith("cap") else None
+        duty = 100 if name == "free" or cap else int(name.lstrip("d"))
+        if not 0 < duty <= 100 or (cap is not None and not 0 < cap <= 100):
+            raise SystemExit(f"plan item {item!r}: duty and cap must be 1..100")
+        out.append((name, duty, cap, float(secs)))
     return out
+
+
+class StopSampler(threading.Thread):
+    """The process's stopped/running transitions, read from /proc every
+    SAMPLE_S: where the holds fell, whoever made them."""
+    SAMPLE_S = 0.001
+
+    def __init__(self, pid):
+        super().__init__(daemon=True)
+        self.pid, self.edges, self.halt = pid, [], threading.Event()
+
+    def run(self):
+        path, last = f"/proc/{self.pid}/stat", False
+        while not self.halt.wait(self.SAMPLE_S):
+            try:
+                with open(path) as f:
+                    stopped = f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+            except (OSError, IndexError):
+                return
+            if stopped != last:
+                self.edges.append((time.monotonic(), stopped))
+                last = stopped
+
+
+def stopped_spans(edges, t0, t1):
+    """[(start, end)] stopped inside [t0, t1]."""
+    spans, start = [], None
+    for t, stopped in edges:
+        if stopped and start is None:
+            start = t
+        elif not stopped and start is not None:
+            spans.append((start, t))
+            start = None
+    if start is not None:
+        spans.append((start, t1))
+    return [(max(a, t0), min(b, t1)) for a, b in spans if b > t0 and a < t1]
+
+
+# Time since the last resume, in seconds: a loop slower just after a stop
+# than later shows what each stop costs, apart from what holds it steadily.
+BINS = (0.0, 0.025, 0.05, 0.1, 0.2, 0.4)
+
+
+def slice_profile(times, units, spans, t0, t1):
+    """Units per second of running in each BINS bin of time since resume,
+    the stops' count and mean length, the running slices' mean length."""
+    run_s = [0.0] * len(BINS)
+    done = [0.0] * len(BINS)
+    resumes = [t0] + [b for _, b in spans]
+    stops_at = [a for a, _ in spans] + [t1]
+    for r, e in zip(resumes, stops_at):
+        for i, lo in enumerate(BINS):
+            hi = BINS[i + 1] if i + 1 < len(BINS) else float("inf")
+            run_s[i] += max(0.0, min(e, r + hi) - (r + lo))
+    j = 0
+    for t, n in zip(times, units):
+        if not t0 <= t < t1:
+            continue
+        while j + 1 < len(resumes) and resumes[j + 1] <= t:
+            j += 1
+        since = t - resumes[j]
+        i = max(k for k, lo in enumerate(BINS) if since >= lo)
+        done[i] += n
+    slices = [e - r for r, e in zip(resumes, stops_at)]
+    return {"stops": len(spans),
+            "stop_ms": 1000 * sum(b - a for a, b in spans) / len(spans) if spans else None,
+            "slice_ms": 1000 * sum(slices) / len(slices) if spans else None,
+            "by_since": [{"from_ms": int(1000 * lo), "run_s": round(rs, 3),
+                          "rate": (d / rs) if rs > 0.05 else None}
+                         for lo, rs, d in zip(BINS, run_s, done)]}
 
 
 def cpu_seconds(pid):
@@ -80,16 +153,30 @@ def main():
                     help="CPUs to keep busy with a SCHED_IDLE spin loop (e.g. the --pin CPU: it never idles)")
     ap.add_argument("--json", default=None, help="write the per-segment results here")
     ap.add_argument("--label", default="")
+    ap.add_argument("--policy", default=None,
+                    help="the daemon's policy file, for capC items (with --daemon-pid)")
+    ap.add_argument("--daemon-pid", type=int, default=None)
     a, rest = ap.parse_known_args()
     rest = [r for r in rest if r != "--"]
     plan = parse_plan(a.plan)
-    total = sum(s for _, _, s in plan)
+    if any(cap for _, _, cap, _ in plan) and not (a.policy and a.daemon_pid):
+        raise SystemExit("capC items need --policy and --daemon-pid")
+    total = sum(s for _, _, _, s in plan)
     sync = tempfile.mkdtemp(prefix="stopcont-")
+    trace = os.path.join(sync, "units.json")
+    group = f"stopcont-{os.getpid()}"
+    if a.policy:
+        from suite_ab import write_policy   # this directory: the daemon's policy file
+        set_cap = lambda cap: (write_policy(a.policy, group, cap), os.kill(a.daemon_pid, signal.SIGHUP))
+        set_cap(None)
     cmd = [sys.executable, os.path.join(HERE, "workloads", f"{a.workload}.py"),
            "--seconds", str(total + 1), "--sync-dir", sync, *rest]
     if a.pin:
         cmd = ["taskset", "-c", a.pin, *cmd]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    env = dict(os.environ, BENCH_UNIT_TRACE=trace, HAMI_GROUP=group)
+    if a.policy:
+        env.pop("CUDA_DEVICE_SM_LIMIT", None)
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
     lines = []
     reader = threading.Thread(target=lambda: lines.extend(json.loads(l) for l in p.stdout
                                                          if l.startswith("{")), daemon=True)
@@ -102,9 +189,13 @@ def main():
     spins = ([spinner(c) for c in a.spin.split(",") if c]
              + [spinner(c, idle=True) for c in a.idle_spin.split(",") if c])
     segs = []
+    sampler = StopSampler(p.pid)
+    sampler.start()
     try:
         open(os.path.join(sync, "start"), "w").close()
-        for name, duty, secs in plan:
+        for name, duty, cap, secs in plan:
+            if cap:
+                set_cap(cap)
             t0, c0 = time.monotonic(), cpu_seconds(p.pid)
             cpus, ran = {}, 0.0
             end = t0 + secs
@@ -120,10 +211,14 @@ def main():
                     time.sleep(min(a.period - run_for, max(end - time.monotonic(), 0)))
                     os.kill(p.pid, signal.SIGCONT)
             t1, c1 = time.monotonic(), cpu_seconds(p.pid)
-            segs.append({"name": name, "duty": duty, "t0": t0, "t1": t1, "ran": ran,
+            if cap:
+                set_cap(None)
+            segs.append({"name": name, "duty": duty, "cap": cap, "t0": t0, "t1": t1, "ran": ran,
                          "cpu_s": (c1 - c0) if c0 is not None and c1 is not None else None,
                          "cpus": {str(k): v for k, v in sorted(cpus.items(), key=lambda kv: -kv[1])}})
     finally:
+        if a.policy:
+            set_cap(None)
         try:
             os.kill(p.pid, signal.SIGCONT)
         except ProcessLookupError:
@@ -132,6 +227,12 @@ def main():
             s.kill()
     p.wait(timeout=120)
     reader.join(timeout=5)
+    sampler.halt.set()
+    try:
+        with open(trace) as f:
+            tr = json.load(f)
+    except (OSError, ValueError):
+        tr = {"t": [], "n": []}
     summ = next((l for l in lines if l.get("summary")), None)
     if summ is None:
         raise SystemExit(f"{a.workload}: no summary line (exit {p.returncode})")
@@ -147,16 +248,22 @@ def main():
                 units += l["n"]
                 secs += l["dt"]
         s["rate"] = units / secs if secs else None
-        s["run_frac"] = s["ran"] / (s["t1"] - s["t0"])
+        # Running time from /proc (whoever stopped it), after the first second.
+        spans = stopped_spans(sampler.edges, s["t0"] + 1.0, s["t1"])
+        s["ran"] = (s["t1"] - s["t0"] - 1.0) - sum(b - a for a, b in spans)
+        s["run_frac"] = s["ran"] / (s["t1"] - s["t0"] - 1.0)
+        whole = stopped_spans(sampler.edges, s["t0"], s["t1"])
+        s["ran_all"] = (s["t1"] - s["t0"]) - sum(b - a for a, b in whole)
+        s["profile"] = slice_profile(tr["t"], tr["n"], spans, s["t0"] + 1.0, s["t1"])
         s["rate_per_run_s"] = s["rate"] / s["run_frac"] if s["rate"] else None
-        s["cpu_per_run_s"] = s["cpu_s"] / s["ran"] if s["cpu_s"] is not None and s["ran"] else None
+        s["cpu_per_run_s"] = s["cpu_s"] / s["ran_all"] if s["cpu_s"] is not None and s["ran_all"] else None
         s["units_per_cpu_s"] = (units / secs * (s["t1"] - s["t0"]) / s["cpu_s"]
                                 if s["cpu_s"] and secs else None)
     for i, s in enumerate(segs):
-        if s["duty"] == 100:
+        if s["name"] == "free":
             continue
         near = [segs[j]["rate"] for j in (i - 1, i + 1)
-                if 0 <= j < len(segs) and segs[j]["duty"] == 100 and segs[j]["rate"]]
+                if 0 <= j < len(segs) and segs[j]["name"] == "free" and segs[j]["rate"]]
         ref = sum(near) / len(near) if near else None
         s["free_ref"] = ref
         s["of_free"] = 100 * s["rate"] / ref if ref and s["rate"] else None
@@ -164,11 +271,18 @@ def main():
     unit = summ.get("unit", "")
     print(f"# {a.workload} {a.label} period {a.period}s pin {a.pin or '-'} spin {a.spin or '-'} "
           f"idle-spin {a.idle_spin or '-'} ({unit})")
-    print("| segment | rate | % of free | per running s, % of free | CPU s / running s | units / CPU s | main thread's CPUs |")
-    print("|---|---:|---:|---:|---:|---:|---|")
+    print("| segment | rate | % of free | per running s, % of free | stops/s | stop / slice ms "
+          "| per running s by time since resume (ms), % of free | CPU s / running s "
+          "| units / CPU s | main thread's CPUs |")
+    print("|---|---:|---:|---:|---:|---|---|---:|---:|---|")
     f = lambda v, d=1: "-" if v is None else f"{v:.{d}f}"
     for s in segs:
+        pr, ref = s["profile"], s.get("free_ref") or s["rate"]
+        since = " ".join(f"{b['from_ms']}+:{f(100 * b['rate'] / ref, 0) if b['rate'] and ref else '-'}"
+                         for b in pr["by_since"])
         print(f"| {s['name']} | {f(s['rate'])} | {f(s.get('of_free'))} | {f(s.get('run_of_free'))} | "
+              f"{f(pr['stops'] / max(s['t1'] - s['t0'] - 1.0, 1e-9), 1)} | "
+              f"{f(pr['stop_ms'], 0)} / {f(pr['slice_ms'], 0)} | {since} | "
               f"{f(s['cpu_per_run_s'], 2)} | {f(s['units_per_cpu_s'])} | "
               f"{' '.join(f'{k}:{v}' for k, v in list(s['cpus'].items())[:4])} |")
     if a.json:

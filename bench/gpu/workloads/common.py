@@ -9,6 +9,9 @@ Every workload prints one JSON line per second of its timed loop:
 set-up and warm-up), `n` the work units finished in it; an interval also ends
 where the phase changes, so `dt` is at most 1 s. A last line carries
 "summary": true with the totals, the set-up time and the process's group and cap.
+With BENCH_UNIT_TRACE=FILE set, the timed loop also writes FILE at its end:
+{"t": [monotonic seconds at each add()], "n": [units added then]}, so a
+bench can place every unit against the stops it saw (bench/gpu/stopcont.py).
 
 Start-up hand-off (--sync-dir D, used by bench/gpu/suite_run.py): the script
 imports its libraries, then waits for D/go before touching the GPU, builds and
@@ -81,6 +84,9 @@ class Reporter:
         self.total = 0.0
         self.after5 = [0.0, 0.0]      # units, seconds of intervals starting at >= 5 s
         self.extra: dict = {}
+        self.trace_path = os.environ.get("BENCH_UNIT_TRACE")
+        self.trace_t: list[float] = []
+        self.trace_n: list[float] = []
 
     def begin(self, phase: str | None = None) -> None:
         self.t0 = time.monotonic()
@@ -114,6 +120,9 @@ class Reporter:
         """Count `units` finished now (in the current phase)."""
         self.n += units
         t = self.now()
+        if self.trace_path:
+            self.trace_t.append(round(self.t0 + t, 6))
+            self.trace_n.append(units)
         if t - self.start_t >= 1.0:
             self._emit(t)
 
@@ -136,3 +145,6 @@ class Reporter:
             "import_s": round(imported, 3), "gpu_setup_s": round(gpu_setup, 3), "mono0": self.mono0, "pid": os.getpid(),
             "group": os.environ.get("HAMI_GROUP"), "sm_limit": os.environ.get("CUDA_DEVICE_SM_LIMIT"),
             **self.extra, **extra}), flush=True)
+        if self.trace_path:
+            with open(self.trace_path, "w") as f:
+                json.dump({"t": self.trace_t, "n": self.trace_n}, f)
