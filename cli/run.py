@@ -129,11 +129,6 @@ class UnixGroupType(click.ParamType):
                    "hold as long as its cap asks (at most 400 ms): such a loop runs slower for "
                    "a while after every stop, so fewer stops let it keep its share. 0: held "
                    "as any other group.")
-@click.option("--sm-stop-cost/--no-sm-stop-cost", "sm_stop_cost", default=True, show_default=True,
-              help="Measure what a stop costs a group its launching thread paces (every 2 s "
-                   "of running, one longer slice's launch rate against its ordinary slices') "
-                   "and let it run that much longer, at most a quarter of its share more. "
-                   "Off: a stop is taken to cost nothing.")
 @click.option("--sm-learn-alone/--no-sm-learn-alone", default=True, show_default=True,
               help="Let a newly capped group learn its full rate with the other capped groups "
                    "on its GPU held (at most 2 s; never an uncapped or higher-priority group): "
@@ -161,8 +156,8 @@ class UnixGroupType(click.ParamType):
 @click.option("-v", "--verbose", is_flag=True, help="Log debug details.")
 def run(libcuda, group_by, socket_path, count_launches, policy, env_limits, oom_action,
         metrics_addr, socket_group, demo, state_dir, pin_dir, keep_state, fresh, context_bytes,
-        sm_limits, sm_lend_idle, sm_turns, sm_turn_ms, sm_hold_ms, sm_host_run_ms, sm_stop_cost, sm_learn_alone,
-        open_gate, hami_regions, fallback_devices, fallback_total_mem, sim_gpu, lib_grace_s, verbose):
+        sm_limits, sm_lend_idle, sm_turns, sm_turn_ms, sm_hold_ms, sm_host_run_ms, sm_learn_alone, open_gate,
+        hami_regions, fallback_devices, fallback_total_mem, sim_gpu, lib_grace_s, verbose):
     """Start the daemon: attach probes, keep the slot table, serve the socket."""
     if os.geteuid() != 0:
         raise CliError("run needs root (CAP_BPF, CAP_PERFMON)")
@@ -173,8 +168,7 @@ def run(libcuda, group_by, socket_path, count_launches, policy, env_limits, oom_
                        verbose=verbose, context_bytes=context_bytes, sm_limits=sm_limits,
                        sm_lend_idle=sm_lend_idle, sm_turns=sm_turns,
                        sm_turn_ms=sm_turn_ms, sm_hold_ms=sm_hold_ms,
-                       sm_host_run_ms=sm_host_run_ms, sm_stop_cost=sm_stop_cost,
-                       sm_learn_alone=sm_learn_alone, open_gate=open_gate,
+                       sm_host_run_ms=sm_host_run_ms, sm_learn_alone=sm_learn_alone, open_gate=open_gate,
                        hami_regions=hami_regions, pin_dir=pin_dir if keep_state else None,
                        fresh=fresh, fallback_devices=fallback_devices,
                        fallback_total_mem=fallback_total_mem, sim_gpu=sim_gpu,

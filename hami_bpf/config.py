@@ -112,7 +112,6 @@ class DaemonConfig:
     sm_turn_ms: int = DEFAULT_SM_TURN_MS  # the turns' period
     sm_hold_ms: int = DEFAULT_SM_HOLD_MS  # running time a synchronizing group owes before it is held
     sm_host_run_ms: int = DEFAULT_SM_HOST_RUN_MS  # a host-paced group runs this long between holds; 0: off
-    sm_stop_cost: bool = True   # measure what a stop costs a host-paced group, and give it back
     sm_learn_alone: bool = True          # a group learns its rate with its device's capped groups held
     open_gate: bool = True               # hold a process opening a libcuda until that file is probed
     pin_dir: str | None = DEFAULT_PIN_DIR  # bpffs directory the accounting maps are kept in; None = not kept

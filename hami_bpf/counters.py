@@ -37,7 +37,6 @@ DAEMON_COUNTERS: tuple[str, ...] = (
     "slot_write_after_exit",
     "sm_errors",
     "sm_holds_at_sync",
-    "sm_stop_cost_samples",   # measurements of what a stop costs a host-paced group
     "state_write_errors",
     "throttle_episodes",      # SM-cap holds: a group stopped until its budget refills
     "throttle_ms",

@@ -186,11 +186,6 @@ TYPES: tuple[EventType, ...] = (
                   "less often (such a loop runs slower for a while after each stop)"
                   if d["host_paced"] else
                   f"it waits for the GPU: held {d['hold_ms']} ms at a time again")),
-    EventType(K.THROTTLE, "stop_cost",
-              ("group", "device", "stop_cost", "sample", "sliced_rate", "long_rate"),
-              "group {group!r} device {device}: {sliced_rate:.0f} launches per running s in "
-              "its slices, {long_rate:.0f} in a longer one: a stop costs it {sample:.1%} "
-              "(estimate {stop_cost:.1%}, given back as running time)"),
     EventType(K.THROTTLE, "alone_done",
               ("group", "group_index", "device", "alone", "outcome", "learn_s", "released"),
               _alone_done),

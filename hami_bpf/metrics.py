@@ -49,9 +49,6 @@ _COUNTERS = (
     ("hami_bpf_sm_holds_cut_short_total", "holds_cut_short",
      "SM holds ended by their time bound with the group's debt or budget unpaid "
      "(the controller erred open).", 1),
-    ("hami_bpf_sm_stop_cost_samples_total", "sm_stop_cost_samples",
-     "Measurements of what a stop costs a group its launching thread paces (a longer slice "
-     "set against its ordinary ones); the estimate is given back as running time.", 1),
     ("hami_bpf_reaped_total", "reaped",
      "Exited processes found by the /proc reaper because their exit event was lost.", 1),
 )

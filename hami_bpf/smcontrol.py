@@ -79,8 +79,7 @@ class SmControl:
         # rest by the launch budget (self.budgets).
         self.duty = duty.DutyPacer(quantum_s=cfg.sm_hold_ms / 1000,
                                     max_hold_s=max(duty.MAX_HOLD_S, 2 * cfg.sm_hold_ms / 1000),
-                                    host_run_s=cfg.sm_host_run_ms / 1000,
-                                    measure_stops=cfg.sm_stop_cost)
+                                    host_run_s=cfg.sm_host_run_ms / 1000)
         self.guard = guard.Guard()        # the launch budget checked against the GPU
         self._duty_next: float | None = None
 
@@ -465,12 +464,6 @@ class SmControl:
             self.counters[f"sm_slices_{'host' if host else 'gpu'}"] += 1
             self.record("throttle", "slices", group=names.get(key[0], str(key[0])), device=key[1],
                         host_paced=host, hold_ms=round(quantum * 1000))
-        for cal in d.calibrations:
-            self.counters["sm_stop_cost_samples"] += 1
-            self.record("throttle", "stop_cost", group=names.get(cal.key[0], str(cal.key[0])),
-                        device=cal.key[1], stop_cost=round(cal.stop_cost, 4),
-                        sample=round(cal.sample, 4), sliced_rate=round(cal.sliced_rate, 1),
-                        long_rate=round(cal.long_rate, 1))
         for key, kd in d.keys.items():
             if kd.mode is not duty.Mode.DUTY:
                 continue

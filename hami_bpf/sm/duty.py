@@ -76,22 +76,6 @@ share: under WAITED_SHARE of its running time inside synchronize calls over
 the synchronize rate's window it is host-paced, from GPU_PACED_SHARE up it is
 not, and in between (or with too little seen) it keeps what it was.
 
-What a stop costs such a loop differs by workload and machine, and nothing
-outside it says how much: a decode loop held in 200 ms slices ran ~9% slower
-per second of running than free, all through its slices, not only just after
-a stop; a loop that waits for the GPU, nothing. So a host-paced group
-measures it on itself. Its launches per second of running in ordinary slices
-are set against the same in the back half of a longer slice (CAL_RUN_S,
-shortened so that its hold stays under CAL_HOLD_MAX_S), taken after every
-CAL_EVERY_S of ordinary running; one minus their ratio, at most
-MAX_STOP_COST, is a sample of the stop's cost, kept as a moving average
-(CAL_WEIGHT), and the group may run cap / (1 - cost) of the time, as it may
-for its probes. Launches stand for progress here because a loop its
-launching thread paces issues the same kernels per step, slow or fast. The
-longer slice owes a longer hold, which the group's hold bound allows once.
-Each measurement is reported (Decision.calibrations). A cost measured wrong
-only lets a group run more, by at most MAX_STOP_COST of its share.
-
 Groups that synchronize rarely (below PACED_HZ) are not paced here: their
 work sits in a launch queue that a hold does not drain, and the launch
 budget (hami_bpf.throttle) paces them. `mode()` says which one applies.
@@ -124,14 +108,6 @@ WAITED_SHARE = 0.5     # running time inside synchronize calls from which the GP
 HOST_RUN_S = 0.2       # running between holds, at least, for a group its launching thread paces
 HOST_QUANTUM_MAX_S = 0.4   # ... whose hold (asked at this debt) grows at most to this
 GPU_PACED_SHARE = 0.6  # running time inside synchronize calls from which it is not host-paced again
-CAL_FIRST_S = 1.0       # ordinary running before the first measurement of a stop's cost
-CAL_EVERY_S = 2.0       # ... and between two of them
-CAL_COMPARE_S = 0.5     # ordinary running on each side of the longer slice it is set against
-CAL_RUN_S = 0.6         # running in the longer slice that measures it (its back half counted)
-CAL_HOLD_MAX_S = 1.2    # ... shortened so the hold it owes stays under this
-CAL_MIN_LAUNCHES = 20   # launches in either stretch, at least, for a sample
-CAL_WEIGHT = 0.3        # a sample's weight in the moving average (a mean of the first ones)
-MAX_STOP_COST = 0.25    # a stop's cost taken into account at most (share of running speed)
 DUE_EPS_S = 1e-6       # a debt or hold this close to its end has ended (a step at next_step
                        # lands within rounding of it, on either side)
 
@@ -139,14 +115,6 @@ DUE_EPS_S = 1e-6       # a debt or hold this close to its end has ended (a step 
 class Mode(str, Enum):
     BUDGET = "budget"   # launch budget (hami_bpf.throttle)
     DUTY = "duty"       # held at synchronize returns for (100 - cap)% of the time
-
-
-class Slice(str, Enum):
-    """Where a host-paced group is in measuring what a stop costs it."""
-    ORDINARY = "ordinary"   # held every quantum; its last ordinary running kept
-    LONG = "long"           # due a longer slice: the next run after a hold is one
-    MEASURING = "measuring"  # in the longer slice: not asked before its end
-    AFTER = "after"         # ordinary again, counted until CAL_COMPARE_S, then a sample
 
 
 class Ask(str, Enum):
@@ -185,17 +153,6 @@ class KeyDecision:
     probe_share: float = 0.0    # the probes' part of its running time, given back as running
     host_paced: bool = False    # its launching thread sets its pace: held in longer slices
     quantum: float = QUANTUM_S  # the debt at which it is asked to stop (its hold's length)
-    stop_cost: float = 0.0      # what a stop costs its running speed, given back as running
-
-
-@dataclass(frozen=True)
-class Calibration:
-    """One measurement of what a stop costs a host-paced group."""
-    key: tuple[int, int]
-    sliced_rate: float      # launches per second of running in ordinary slices
-    long_rate: float        # ... in the back half of the longer slice
-    sample: float           # 1 - sliced / long, within [0, MAX_STOP_COST]
-    stop_cost: float        # the moving average after it
 
 
 @dataclass(frozen=True)
@@ -207,7 +164,6 @@ class Decision:
     next_step: float | None                     # when a held group's debt is paid
     # (key, host-paced, its quantum) where a key in DUTY mode changed slices
     slice_changes: tuple[tuple[tuple[int, int], bool, float], ...] = ()
-    calibrations: tuple[Calibration, ...] = ()
 
 
 @dataclass
@@ -233,23 +189,9 @@ class _Key:
     probe_share: float = 0.0
     host_paced: bool = False
     said_host: bool = False     # host_paced as last reported (in DUTY mode)
-    launches: int = 0
-    # What a stop costs it (host-paced, DUTY): see the module's docstring.
-    slice: Slice = Slice.ORDINARY
-    resumed: float | None = None    # its current run began (None: held)
-    ordinary_s: float = 0.0         # ordinary running since the last longer slice
-    before: collections.deque = field(default_factory=collections.deque)  # (running s, launches)
-    after: list = field(default_factory=lambda: [0.0, 0])   # running s, launches after it
-    long_mark: tuple | None = None  # (time, launches) where the longer slice's counted half began
-    long_rate: float = 0.0          # its launches per second there
-    long_run_s: float = 0.0         # the longer slice's length
-    long_hold_s: float = 0.0        # the hold it owes, which its next hold bound allows
-    samples: int = 0
-    stop_cost: float = 0.0
 
     def owes_per_s(self) -> float:
-        cost = min(max(self.stop_cost, 0.0), MAX_STOP_COST)
-        c = min(self.cap / ((1.0 - self.probe_share) * (1.0 - cost)), 99.0)
+        c = min(self.cap / (1.0 - self.probe_share), 99.0)
         return (100.0 - c) / c
 
 
@@ -313,10 +255,9 @@ class DutyPacer:
     """Keeps the books of every capped (group, device); `step` once per tick."""
 
     def __init__(self, quantum_s: float = QUANTUM_S, max_hold_s: float = MAX_HOLD_S,
-                 host_run_s: float = HOST_RUN_S, measure_stops: bool = True) -> None:
+                 host_run_s: float = HOST_RUN_S) -> None:
         self.quantum_s = quantum_s
         self.host_run_s = host_run_s    # 0: a host-paced group is held as any other
-        self.measure_stops = measure_stops  # False: a stop is taken to cost nothing
         self.max_hold_s = max(max_hold_s, quantum_s)
         self._keys: dict[tuple[int, int], _Key] = {}
         self._asked: set[int] = set()       # groups asked to stop at the last step
@@ -344,7 +285,7 @@ class DutyPacer:
                    max(HOST_QUANTUM_MAX_S, self.quantum_s))
 
     def _bound(self, k: _Key) -> float:
-        return max(self.max_hold_s, 2 * self._quantum(k), k.long_hold_s)
+        return max(self.max_hold_s, 2 * self._quantum(k))
 
     def _bound_of(self, keys) -> float:
         """The hold bound of a group whose DUTY keys these are."""
@@ -355,74 +296,6 @@ class DutyPacer:
         for a host-paced group in DUTY mode): no hold outlives it."""
         return self._bound_of(k for key, k in self._keys.items()
                               if key[0] == group_index and k.mode is Mode.DUTY)
-
-    def _measure_stop(self, k: _Key, key: tuple[int, int], held: bool, prev_t: float,
-                      now: float, ran: float, new_launches: int,
-                      launches: int) -> Calibration | None:
-        """What a stop costs a host-paced group: keeps its last ordinary
-        running, runs the longer slice when due, counts the ordinary running
-        after it, and returns a measurement then."""
-        if not (self.measure_stops and self.host_run_s > 0 and k.mode is Mode.DUTY
-                and k.host_paced):
-            k.slice, k.ordinary_s, k.long_mark, k.long_hold_s = Slice.ORDINARY, 0.0, None, 0.0
-            k.before.clear()
-            k.stop_cost, k.samples, k.resumed = 0.0, 0, None if held else k.resumed
-            return None
-        if held:
-            k.resumed = None
-            if k.slice is Slice.MEASURING:
-                # Held before its end (a hold bound, another rule): measured nothing.
-                k.slice, k.long_mark, k.long_hold_s = Slice.ORDINARY, None, 0.0
-            return None
-        if k.resumed is None:
-            k.resumed = prev_t      # released after the last step
-            k.long_hold_s = 0.0     # the longer slice's hold, if it was one, is over
-            if k.slice is Slice.LONG:
-                k.slice, k.long_mark = Slice.MEASURING, None
-                k.long_run_s = min(CAL_RUN_S, CAL_HOLD_MAX_S / k.owes_per_s())
-        since = now - k.resumed
-        counted = new_launches if ran > 0 else 0
-        if k.slice is Slice.MEASURING:
-            if k.long_mark is None:
-                if since >= k.long_run_s / 2:
-                    k.long_mark = (now, launches)
-            elif since >= k.long_run_s:
-                span = now - k.long_mark[0]
-                k.long_rate = (launches - k.long_mark[1]) / span if span > 0 else 0.0
-                k.slice, k.after, k.long_mark = Slice.AFTER, [0.0, 0], None
-                k.long_hold_s = max(k.debt, 0.0) + self.quantum_s
-            return None
-        if k.slice is Slice.AFTER:
-            k.after[0] += ran
-            k.after[1] += counted
-            if k.after[0] < CAL_COMPARE_S:
-                return None
-            return self._sample(k, key)
-        k.before.append((ran, counted))
-        k.ordinary_s += ran
-        while k.before and sum(r for r, _ in k.before) - k.before[0][0] >= CAL_COMPARE_S:
-            k.before.popleft()
-        if k.slice is Slice.ORDINARY and k.ordinary_s >= (CAL_EVERY_S if k.samples else CAL_FIRST_S):
-            k.slice = Slice.LONG
-        return None
-
-    @staticmethod
-    def _sample(k: _Key, key: tuple[int, int]) -> Calibration | None:
-        run_s = sum(r for r, _ in k.before) + k.after[0]
-        n = sum(c for _, c in k.before) + k.after[1]
-        long_n = k.long_rate * k.long_run_s / 2
-        k.slice, k.ordinary_s = Slice.ORDINARY, 0.0
-        k.before.clear()
-        if n < CAL_MIN_LAUNCHES or long_n < CAL_MIN_LAUNCHES or run_s <= 0:
-            return None
-        sliced_rate = n / run_s
-        # Unclipped below zero, so noise averages out instead of adding up.
-        sample = min(max(1.0 - sliced_rate / k.long_rate, -MAX_STOP_COST), MAX_STOP_COST)
-        k.samples += 1
-        w = max(CAL_WEIGHT, 1.0 / k.samples)
-        k.stop_cost = (1.0 - w) * k.stop_cost + w * sample
-        cost = min(max(k.stop_cost, 0.0), MAX_STOP_COST)
-        return Calibration(key, sliced_rate, k.long_rate, sample, cost)
 
     @staticmethod
     def _held_before(k: _Key, since: float, counts_held: bool) -> None:
@@ -450,7 +323,6 @@ class DutyPacer:
         decisions: dict[tuple[int, int], KeyDecision] = {}
         changes: list[tuple[tuple[int, int], Mode]] = []
         slices: list[tuple[tuple[int, int], bool, float]] = []
-        calibrations: list[Calibration] = []
         for key, cap in obs.caps.items():
             u = obs.use.get(key, Use(0, 0))
             k = self._keys.get(key)
@@ -487,13 +359,8 @@ class DutyPacer:
                 k.ran_spans.append((k.t, k.t + ran, active))
                 while k.ran_spans and k.ran_spans[0][1] < now - MAX_STEP_S:
                     k.ran_spans.popleft()
-            # A longer slice owes its whole hold (the ceiling is for long
-            # unsynchronized runs, which it is not).
-            ceiling = MAX_DEBT_S if k.slice is not Slice.MEASURING else max(
-                MAX_DEBT_S, CAL_HOLD_MAX_S + self.quantum_s)
-            k.debt = min(max(k.debt, idle_floor - self._bound(k)), ceiling)
-            prev_t, new_launches = k.t, max(u.launches - k.launches, 0)
-            k.t, k.consumed, k.syncs, k.launches = now, u.consumed, u.syncs, u.launches
+            k.debt = min(max(k.debt, idle_floor - self._bound(k)), MAX_DEBT_S)
+            k.t, k.consumed, k.syncs = now, u.consumed, u.syncs
             k.sync_marks.append((now, u.syncs, k.held_s, u.launches, u.sync_s))
             rate = _sync_rate(k, now)
             window = _window(k, now, u)
@@ -511,25 +378,19 @@ class DutyPacer:
                 k.debt = min(k.debt, 0.0)
                 k.asked_since = None
                 changes.append((key, mode))
-            cal = self._measure_stop(k, key, held, prev_t, now, ran if active else 0.0,
-                                     new_launches, u.launches)
-            if cal is not None:
-                calibrations.append(cal)
             ask = Ask.NONE
             quantum = self._quantum(k)
             said = k.host_paced and k.mode is Mode.DUTY and self.host_run_s > 0
             if said != k.said_host:
                 k.said_host = said
                 slices.append((key, said, quantum))
-            if (k.mode is Mode.DUTY and not held and k.debt >= quantum
-                    and k.slice is not Slice.MEASURING):
+            if k.mode is Mode.DUTY and not held and k.debt >= quantum:
                 if k.asked_since is None:
                     k.asked_since = now
                 ask = Ask.LAUNCH if now - k.asked_since >= FORCE_AFTER_S else Ask.SYNC
             else:
                 k.asked_since = None
-            decisions[key] = KeyDecision(k.mode, ask, k.debt, k.probe_share, k.host_paced, quantum,
-                                         min(max(k.stop_cost, 0.0), MAX_STOP_COST))
+            decisions[key] = KeyDecision(k.mode, ask, k.debt, k.probe_share, k.host_paced, quantum)
 
         self._asked = {key[0] for key, d in decisions.items() if d.ask is not Ask.NONE}
         # Devices where a paced group runs now: another paced group there
@@ -560,4 +421,4 @@ class DutyPacer:
                 next_step = due if next_step is None else min(next_step, due)
         return Decision(keys=decisions, release=frozenset(release), cut_short=frozenset(cut),
                         mode_changes=tuple(changes), next_step=next_step,
-                        slice_changes=tuple(slices), calibrations=tuple(calibrations))
+                        slice_changes=tuple(slices))
