@@ -3,8 +3,13 @@
 
 hami-bpf holds a group by SIGSTOP and releases it by SIGCONT. This runs one
 workload of bench/gpu/workloads/ and drives the same signals from here on a
-plan of segments: `free:S` (never stopped) and `dC:S` (duty: in every
---period, running C% of it, stopped the rest), each S seconds. Per segment it
+plan of segments: `free:S` (never stopped), `dC:S` (duty: in every
+--period, running C% of it, stopped the rest) and `capC:S` (the daemon caps
+the workload's group at C%: its --policy file rewritten, then SIGHUP to
+--daemon-pid), each S seconds. The process's stops are read from /proc every
+millisecond, whoever made them, and its units' times from the workload
+(BENCH_UNIT_TRACE), so each segment also says its stops per second, their
+and the slices' mean length, and its rate by time since the last resume. Per segment it
 prints the workload's rate, the rate per second of running (rate / C%), that
 against the mean of the free segments on either side, the process's CPU
 seconds per second of running and work units per CPU second, and the CPUs its
