@@ -25,6 +25,7 @@ clocks, scheduling), which no controller can see from outside.
         [--pin CPU] [--spin CPU,CPU] [--idle-spin CPU] [--json F] [-- workload args]
 """
 import argparse
+import bisect
 import json
 import os
 import signal
@@ -62,16 +63,14 @@ class StopSampler(threading.Thread):
         self.pid, self.edges, self.halt = pid, [], threading.Event()
 
     def run(self):
-        path, last = f"/proc/{self.pid}/stat", False
+        last = False
         while not self.halt.wait(self.SAMPLE_S):
-            try:
-                with open(path) as f:
-                    stopped = f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
-            except (OSError, IndexError):
+            now = stopped(self.pid)
+            if now is None:
                 return
-            if stopped != last:
-                self.edges.append((time.monotonic(), stopped))
-                last = stopped
+            if now != last:
+                self.edges.append((time.monotonic(), now))
+                last = now
 
 
 def stopped_spans(edges, t0, t1):
@@ -111,8 +110,7 @@ def slice_profile(times, units, spans, t0, t1):
         while j + 1 < len(resumes) and resumes[j + 1] <= t:
             j += 1
         since = t - resumes[j]
-        i = max(k for k, lo in enumerate(BINS) if since >= lo)
-        done[i] += n
+        done[bisect.bisect_right(BINS, since) - 1] += n
     slices = [e - r for r, e in zip(resumes, stops_at)]
     return {"stops": len(spans),
             "stop_ms": 1000 * sum(b - a for a, b in spans) / len(spans) if spans else None,
@@ -120,6 +118,15 @@ def slice_profile(times, units, spans, t0, t1):
             "by_since": [{"from_ms": int(1000 * lo), "run_s": round(rs, 3),
                           "rate": (d / rs) if rs > 0.05 else None}
                          for lo, rs, d in zip(BINS, run_s, done)]}
+
+
+def stopped(pid):
+    """Whether the process is stopped now (None: gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return None
 
 
 def cpu_seconds(pid):
@@ -202,7 +209,7 @@ def main():
             if cap:
                 set_cap(cap)
             t0, c0 = time.monotonic(), cpu_seconds(p.pid)
-            cpus, ran = {}, 0.0
+            cpus = {}
             end = t0 + secs
             while time.monotonic() < end:
                 cyc = time.monotonic()
@@ -210,7 +217,6 @@ def main():
                 c = main_cpu(p.pid)
                 cpus[c] = cpus.get(c, 0) + 1
                 time.sleep(max(run_for, 0))
-                ran += time.monotonic() - cyc
                 if duty < 100 and time.monotonic() < end:
                     os.kill(p.pid, signal.SIGSTOP)
                     time.sleep(min(a.period - run_for, max(end - time.monotonic(), 0)))
@@ -218,7 +224,7 @@ def main():
             t1, c1 = time.monotonic(), cpu_seconds(p.pid)
             if cap:
                 set_cap(None)
-            segs.append({"name": name, "duty": duty, "cap": cap, "t0": t0, "t1": t1, "ran": ran,
+            segs.append({"name": name, "duty": duty, "cap": cap, "t0": t0, "t1": t1,
                          "cpu_s": (c1 - c0) if c0 is not None and c1 is not None else None,
                          "cpus": {str(k): v for k, v in sorted(cpus.items(), key=lambda kv: -kv[1])}})
     finally:

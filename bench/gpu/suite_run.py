@@ -71,7 +71,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from stopcont import cpu_seconds     # this directory: the script's own
+from stopcont import cpu_seconds, stopped     # this directory: the script's own
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WDIR = os.environ.get("SUITE_WORKLOAD_DIR") or os.path.join(HERE, "workloads")
@@ -373,16 +373,14 @@ class Suite:
             for p in run.procs:
                 if p.cap is None or p.popen is None:
                     continue
-                try:
-                    with open(f"/proc/{p.popen.pid}/stat") as f:
-                        state = f.read().rsplit(")", 1)[1].split()[0]
-                except (OSError, IndexError):
+                state = stopped(p.popen.pid)
+                if state is None:
                     continue
                 per_s = self.stopped.setdefault((run.label, p.side), [])
                 while len(per_s) <= sec:
                     per_s.append([0, 0])
                 per_s[sec][0] += 1
-                per_s[sec][1] += state in ("T", "t")
+                per_s[sec][1] += state
 
     def write_stopped(self, run: Run) -> None:
         for p in run.procs:
