@@ -73,6 +73,58 @@ class StopSampler(threading.Thread):
                 last = now
 
 
+class GpuSampler(threading.Thread):
+    """The GPU's SM clock (MHz) and power (W) every SAMPLE_S from NVML: a
+    GPU that lowers its clocks while a group is held runs the group's next
+    slice slower, which a stop's cost on the host alone would not show."""
+    SAMPLE_S = 0.005
+
+    def __init__(self, index=0):
+        super().__init__(daemon=True)
+        self.index, self.samples, self.halt = index, [], threading.Event()
+
+    def run(self):
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+            h = pynvml.nvmlDeviceGetHandleByIndex(self.index)
+        except Exception as e:  # noqa: BLE001 - a bench without NVML reports no clocks
+            print(f"no NVML clocks: {e}", file=sys.stderr)
+            return
+        while not self.halt.wait(self.SAMPLE_S):
+            try:
+                self.samples.append((time.monotonic(),
+                                     pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM),
+                                     pynvml.nvmlDeviceGetPowerUsage(h) / 1000))
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def clock_profile(samples, spans, t0, t1):
+    """Mean SM clock and power while running and while stopped, and the SM
+    clock by time since resume (BINS)."""
+    run, held = [], []
+    by = [[] for _ in BINS]
+    resumes = [t0] + [b for _, b in spans]
+    j = k = 0
+    for t, mhz, watts in samples:
+        if not t0 <= t < t1:
+            continue
+        while k < len(spans) and spans[k][1] <= t:
+            k += 1
+        if k < len(spans) and spans[k][0] <= t < spans[k][1]:
+            held.append((mhz, watts))
+            continue
+        run.append((mhz, watts))
+        while j + 1 < len(resumes) and resumes[j + 1] <= t:
+            j += 1
+        by[bisect.bisect_right(BINS, t - resumes[j]) - 1].append(mhz)
+    mean = lambda xs, i: sum(x[i] for x in xs) / len(xs) if xs else None
+    return {"sm_mhz_run": mean(run, 0), "sm_mhz_held": mean(held, 0),
+            "watts_run": mean(run, 1), "watts_held": mean(held, 1),
+            "sm_mhz_by_since": [sum(b) / len(b) if b else None for b in by]}
+
+
 def stopped_spans(edges, t0, t1):
     """[(start, end)] stopped inside [t0, t1]."""
     spans, start = [], None
@@ -203,6 +255,8 @@ def main():
     segs = []
     sampler = StopSampler(p.pid)
     sampler.start()
+    gpu = GpuSampler()
+    gpu.start()
     try:
         open(os.path.join(sync, "start"), "w").close()
         for name, duty, cap, secs in plan:
@@ -239,6 +293,7 @@ def main():
     p.wait(timeout=120)
     reader.join(timeout=5)
     sampler.halt.set()
+    gpu.halt.set()
     try:
         with open(trace) as f:
             tr = json.load(f)
@@ -266,6 +321,7 @@ def main():
         whole = stopped_spans(sampler.edges, s["t0"], s["t1"])
         s["ran_all"] = (s["t1"] - s["t0"]) - sum(b - a for a, b in whole)
         s["profile"] = slice_profile(tr["t"], tr["n"], spans, s["t0"] + 1.0, s["t1"])
+        s["clocks"] = clock_profile(gpu.samples, spans, s["t0"] + 1.0, s["t1"])
         s["rate_per_run_s"] = s["rate"] / s["run_frac"] if s["rate"] else None
         s["cpu_per_run_s"] = s["cpu_s"] / s["ran_all"] if s["cpu_s"] is not None and s["ran_all"] else None
         s["units_per_cpu_s"] = (units / secs * (s["t1"] - s["t0"]) / s["cpu_s"]
@@ -284,17 +340,21 @@ def main():
           f"idle-spin {a.idle_spin or '-'} ({unit})")
     print("| segment | rate | % of free | per running s, % of free | stops/s | stop / slice ms "
           "| per running s by time since resume (ms), % of free | CPU s / running s "
-          "| units / CPU s | main thread's CPUs |")
-    print("|---|---:|---:|---:|---:|---|---|---:|---:|---|")
+          "| units / CPU s | SM MHz running / held | SM MHz by time since resume | W running / held "
+          "| main thread's CPUs |")
+    print("|---|---:|---:|---:|---:|---|---|---:|---:|---|---|---|---|")
     f = lambda v, d=1: "-" if v is None else f"{v:.{d}f}"
     for s in segs:
-        pr, ref = s["profile"], s.get("free_ref") or s["rate"]
+        pr, ref, ck = s["profile"], s.get("free_ref") or s["rate"], s["clocks"]
         since = " ".join(f"{b['from_ms']}+:{f(100 * b['rate'] / ref, 0) if b['rate'] and ref else '-'}"
                          for b in pr["by_since"])
         print(f"| {s['name']} | {f(s['rate'])} | {f(s.get('of_free'))} | {f(s.get('run_of_free'))} | "
               f"{f(pr['stops'] / max(s['t1'] - s['t0'] - 1.0, 1e-9), 1)} | "
               f"{f(pr['stop_ms'], 0)} / {f(pr['slice_ms'], 0)} | {since} | "
               f"{f(s['cpu_per_run_s'], 2)} | {f(s['units_per_cpu_s'])} | "
+              f"{f(ck['sm_mhz_run'], 0)} / {f(ck['sm_mhz_held'], 0)} | "
+              f"{' '.join(f(v, 0) for v in ck['sm_mhz_by_since'])} | "
+              f"{f(ck['watts_run'], 0)} / {f(ck['watts_held'], 0)} | "
               f"{' '.join(f'{k}:{v}' for k, v in list(s['cpus'].items())[:4])} |")
     if a.json:
         with open(a.json, "a") as fh:
