@@ -76,6 +76,21 @@ share: under WAITED_SHARE of its running time inside synchronize calls over
 the synchronize rate's window it is host-paced, from GPU_PACED_SHARE up it is
 not, and in between (or with too little seen) it keeps what it was.
 
+A launch-bound loop, one whose GPU has finished its work by the time it
+synchronizes (under LAUNCH_BOUND_SHARE of its running time inside
+synchronize calls: an LLM decode step of a few hundred small kernels), also
+runs slower per second of running for as long as it is held at all, by an
+amount nothing outside it shows. A decode loop capped at 50 by this pacer ran
+at 81-93% (mean 87%, eight stretches) of its own free speed per second of
+running, with holds of 66, 190 and 355 ms alike, where loops that keep the
+GPU busy while they launch (a CNN training step, an LLM prefill; 17-20% of
+their time waiting in synchronize calls) ran at 98-105%
+(bench/gpu/stopcont.sh, bench/gpu/suite.sh). So a launch-bound group in DUTY
+mode is given HOST_STOP_SHARE of its running time back, as the probes' share
+is: it runs cap / (1 - HOST_STOP_SHARE) of the time (cap 50: 55.6%). One
+that loses nothing runs a ninth over its cap (errs open, bounded); one that
+loses what the decode loop did lands within a few points of it.
+
 Groups that synchronize rarely (below PACED_HZ) are not paced here: their
 work sits in a launch queue that a hold does not drain, and the launch
 budget (hami_bpf.throttle) paces them. `mode()` says which one applies.
@@ -108,6 +123,8 @@ WAITED_SHARE = 0.5     # running time inside synchronize calls from which the GP
 HOST_RUN_S = 0.2       # running between holds, at least, for a group its launching thread paces
 HOST_QUANTUM_MAX_S = 0.4   # ... whose hold (asked at this debt) grows at most to this
 GPU_PACED_SHARE = 0.6  # running time inside synchronize calls from which it is not host-paced again
+LAUNCH_BOUND_SHARE = 0.1   # running time inside synchronize calls under which the GPU idles as it runs
+HOST_STOP_SHARE = 0.1  # a launch-bound group's running time given back for what being held costs it
 DUE_EPS_S = 1e-6       # a debt or hold this close to its end has ended (a step at next_step
                        # lands within rounding of it, on either side)
 
@@ -153,6 +170,7 @@ class KeyDecision:
     probe_share: float = 0.0    # the probes' part of its running time, given back as running
     host_paced: bool = False    # its launching thread sets its pace: held in longer slices
     quantum: float = QUANTUM_S  # the debt at which it is asked to stop (its hold's length)
+    stop_share: float = 0.0     # its running time given back for what being held costs it (launch-bound)
 
 
 @dataclass(frozen=True)
@@ -189,9 +207,18 @@ class _Key:
     probe_share: float = 0.0
     host_paced: bool = False
     said_host: bool = False     # host_paced as last reported (in DUTY mode)
+    stop_share: float = 0.0     # HOST_STOP_SHARE while launch-bound in DUTY mode, else 0
+    launch_bound: bool = False  # under LAUNCH_BOUND_SHARE inside synchronize calls (last window)
+
+    def run_pct(self) -> float:
+        """The share of the time (percent) it may run: its cap, plus what
+        the probes and being held take from its running time."""
+        c = self.cap / (1.0 - self.probe_share)
+        c /= 1.0 - self.stop_share
+        return min(c, 99.0)
 
     def owes_per_s(self) -> float:
-        c = min(self.cap / (1.0 - self.probe_share), 99.0)
+        c = self.run_pct()
         return (100.0 - c) / c
 
 
@@ -255,9 +282,10 @@ class DutyPacer:
     """Keeps the books of every capped (group, device); `step` once per tick."""
 
     def __init__(self, quantum_s: float = QUANTUM_S, max_hold_s: float = MAX_HOLD_S,
-                 host_run_s: float = HOST_RUN_S) -> None:
+                 host_run_s: float = HOST_RUN_S, host_stop_share: float = HOST_STOP_SHARE) -> None:
         self.quantum_s = quantum_s
         self.host_run_s = host_run_s    # 0: a host-paced group is held as any other
+        self.host_stop_share = host_stop_share  # 0: nothing given back for being held
         self.max_hold_s = max(max_hold_s, quantum_s)
         self._keys: dict[tuple[int, int], _Key] = {}
         self._asked: set[int] = set()       # groups asked to stop at the last step
@@ -368,6 +396,9 @@ class DutyPacer:
             k.host_paced = _host_paced(k, window)
             mode = (Mode.DUTY if rate >= PACED_HZ else
                     Mode.BUDGET if rate < UNPACED_HZ else k.mode)
+            if window is not None:
+                k.launch_bound = window[1] < LAUNCH_BOUND_SHARE
+            k.stop_share = self.host_stop_share if k.launch_bound and mode is Mode.DUTY else 0.0
             if mode != k.mode:
                 if mode is Mode.BUDGET:
                     if now - k.since >= BUDGET_STAY_MAX_S:
@@ -390,7 +421,8 @@ class DutyPacer:
                 ask = Ask.LAUNCH if now - k.asked_since >= FORCE_AFTER_S else Ask.SYNC
             else:
                 k.asked_since = None
-            decisions[key] = KeyDecision(k.mode, ask, k.debt, k.probe_share, k.host_paced, quantum)
+            decisions[key] = KeyDecision(k.mode, ask, k.debt, k.probe_share, k.host_paced, quantum,
+                                         k.stop_share)
 
         self._asked = {key[0] for key, d in decisions.items() if d.ask is not Ask.NONE}
         # Devices where a paced group runs now: another paced group there

@@ -110,6 +110,10 @@ class Cold:
 
 
 COLD_MEASURED = Cold(seconds=0.03, speed=0.7)
+# A launch-bound loop held by the daemon at all, at any hold length: a decode
+# loop ran at 81-93% (mean 87%) of its free speed per second of running
+# (bench/gpu/stopcont.sh). A second after each release covers every slice.
+HELD_MEASURED = Cold(seconds=1.0, speed=0.87)
 
 _HOST, _WAIT, _DONE = 0, 1, 2
 
@@ -412,8 +416,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--horizon", type=float, default=None, help="virtual seconds per run at most")
     ap.add_argument("--cold", action="store_true",
                     help="the host program runs slower for a while after each stop (COLD_MEASURED)")
+    ap.add_argument("--held", action="store_true",
+                    help="the host program runs slower whenever it is held at all (HELD_MEASURED)")
     a = ap.parse_args(argv)
-    cold = COLD_MEASURED if a.cold else None
+    cold = HELD_MEASURED if a.held else COLD_MEASURED if a.cold else None
     caps = [float(c) for c in a.caps.split(",") if c]
     if a.traces:
         recs = [load(p) for p in a.traces]

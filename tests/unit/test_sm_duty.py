@@ -8,9 +8,16 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from hami_bpf.sm import duty
-from hami_bpf.sm.duty import Ask, DutyPacer, Mode, Observation, Use
+from hami_bpf.sm.duty import Ask, Mode, Observation, Use
 
 KEY = (0, 0)
+
+
+def DutyPacer(**kw) -> duty.DutyPacer:
+    """The books' tests: nothing given back to a host-paced group for being
+    held (HOST_STOP_SHARE has its own tests below)."""
+    kw.setdefault("host_stop_share", 0.0)
+    return duty.DutyPacer(**kw)
 
 
 def obs(now, consumed=0, syncs=0, cap=50.0, held_since=None, key=KEY, extra=None):
@@ -740,3 +747,57 @@ def test_a_change_of_slices_is_reported_once_each_way():
                   wait_share=in_phases([(0.0, 0.1), (8.0, 0.8)]))
     assert changes == [(KEY, True, pytest.approx(duty.HOST_RUN_S)),
                        (KEY, False, duty.QUANTUM_S)]
+
+
+# -- what being held costs a launch-bound loop, given back ----------------------
+
+def always_running(p, cap, waited, seconds=20.0, dt=0.002):
+    """A group always active that stops at once when asked, spending `waited`
+    of its running time inside synchronize calls (a synchronize per step).
+    Returns (percent of the time it ran after the first second, the last
+    decision's stop_share)."""
+    t, n, sync_s, since = 0.0, 0, 0.0, None
+    ran = total = 0.0
+    kd = None
+    while t < seconds:
+        t += dt
+        if since is None:
+            n += 1
+            sync_s += dt * waited
+            if t > 1.0:
+                ran += dt
+        if t > 1.0:
+            total += dt
+        d = p.step(Observation(t, {KEY: cap}, {KEY: Use(n, n, sync_s=sync_s)},
+                               {KEY[0]: since} if since is not None else {}))
+        kd = d.keys[KEY]
+        if since is not None and KEY[0] in d.release:
+            since = None
+        elif since is None and kd.ask is not Ask.NONE:
+            since = t
+    return 100.0 * ran / total, kd.stop_share
+
+
+def allowed(cap: float) -> float:
+    return min(cap / (1.0 - duty.HOST_STOP_SHARE), 99.0)
+
+
+@given(cap=st.integers(10, 90), waited=st.floats(0.0, 0.08))
+@settings(max_examples=15, deadline=None)
+def test_a_launch_bound_group_is_given_back_what_being_held_costs_it(cap, waited):
+    share, stop_share = always_running(duty.DutyPacer(), cap, waited)
+    assert stop_share == duty.HOST_STOP_SHARE
+    assert abs(share - allowed(cap)) <= 2.0, share
+
+
+@given(cap=st.integers(10, 90), waited=st.floats(0.15, 0.95))
+@settings(max_examples=15, deadline=None)
+def test_a_group_that_waits_for_the_gpu_is_given_nothing_back(cap, waited):
+    share, stop_share = always_running(duty.DutyPacer(), cap, waited)
+    assert stop_share == 0.0
+    assert abs(share - cap) <= 2.0, share
+
+
+def test_host_stop_share_zero_gives_nothing_back():
+    share, stop_share = always_running(duty.DutyPacer(host_stop_share=0.0), 50, 0.0)
+    assert stop_share == 0.0 and abs(share - 50) <= 2.0, share

@@ -49,11 +49,23 @@ def test_two_groups_30_70_alternate_at_their_caps():
     assert longest <= duty.MAX_HOLD_S + 2 * DT
 
 
+def allowed(cap: float) -> float:
+    return min(cap / (1.0 - duty.HOST_STOP_SHARE), 99.0)
+
+
 def test_two_host_paced_groups_30_70_take_longer_turns_at_their_caps():
-    share, overlap, longest = simulate({(1, 0): 30, (2, 0): 70}, 20, waited=0.0)
+    share, overlap, longest = simulate({(1, 0): 30, (2, 0): 70}, 20, waited=0.2)
     assert abs(share[(1, 0)] - 30) <= 3 and abs(share[(2, 0)] - 70) <= 3, share
     assert overlap <= duty.SYNC_WINDOW_S + 0.2, overlap
     # the group at 30 owes 7/3 s per second run: held for HOST_RUN_S x 7/3 at a time
+    assert duty.MAX_HOLD_S < longest <= 2 * duty.HOST_QUANTUM_MAX_S + 2 * DT, longest
+
+
+def test_two_launch_bound_groups_30_70_each_run_what_they_are_given_back():
+    # Never waiting in a synchronize: each is given back what being held
+    # costs such a loop, and neither starves the other for it.
+    share, overlap, longest = simulate({(1, 0): 30, (2, 0): 70}, 20, waited=0.0)
+    assert abs(share[(1, 0)] - allowed(30)) <= 3 and abs(share[(2, 0)] - allowed(70)) <= 3, share
     assert duty.MAX_HOLD_S < longest <= 2 * duty.HOST_QUANTUM_MAX_S + 2 * DT, longest
 
 
