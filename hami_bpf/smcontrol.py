@@ -275,13 +275,17 @@ class SmControl:
         reads = self.ctl.wants(now, use, groups)
         devices = self.devices
         util = devices.utilization() if reads.util and devices.has_utilization else None
+        # The turns' reading is a reading of its own (after the guard's where
+        # both are wanted): the simulated GPU's is of the time since the last.
+        turn_util = devices.utilization() if reads.turn_util and devices.has_utilization \
+            else None
         per_pid = {dev: devices.process_utilization(dev) for dev in sorted(reads.process_devices)
                    } if devices.nvml else {}
         return Observation(
             now=now, use=use, groups=groups,
             held={name: self.throttle_since.get(name, now) for name in self.throttled},
             waiting=self.probes.sync_waiting() if reads.waiting else {},
-            util=util, process_util=per_pid, probe_s=self.probe_cost_s)
+            util=util, turn_util=turn_util, process_util=per_pid, probe_s=self.probe_cost_s)
 
     def _log_state(self, now: float, d: Decision) -> None:
         for key, grant in d.grants.items():

@@ -29,8 +29,9 @@ from enum import Enum
 from typing import Any, Mapping, NamedTuple
 
 from ..limits import HAMI_DEFAULT_PRIORITY
-from ..throttle import (BUSY_S, LEARN_IDLE_S, UNLIMITED, Budget, Completions, completion_rate,
-                        correct_rate, held_to_cap, neighbours, next_edge, tick as budget_tick)
+from ..throttle import (BUSY_S, LEARN_IDLE_S, TURN_PERIOD_S, UNLIMITED, Budget, Completions,
+                        completion_rate, correct_rate, held_to_cap, neighbours, next_edge,
+                        tick as budget_tick)
 from . import duty, guard
 from .alone import AloneTable
 from .turntable import TurnTable
@@ -73,9 +74,11 @@ class Group:
 @dataclass(frozen=True)
 class Reads:
     """What a tick needs read besides the probes' sm_use (`SmController.wants`)."""
-    util: bool                          # device utilization
+    util: bool                          # device utilization (learning, the guard)
     process_devices: frozenset[int]     # per-process utilization of these devices
     waiting: bool                       # threads inside a synchronize call (sync_at)
+    turn_util: bool = False             # device utilization again, after `util`: the turns'
+                                        # calibration when no budget learns
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,7 @@ class Observation:
     held: Mapping[str, float] = field(default_factory=dict)   # held groups -> held since
     waiting: Mapping[Key, int] = field(default_factory=dict)  # threads inside a synchronize
     util: Mapping[int, float | None] | None = None  # device -> utilization; None: not read
+    turn_util: Mapping[int, float | None] | None = None  # ... read for the turns (Reads)
     process_util: Mapping[int, Mapping[int, float] | None] = field(default_factory=dict)
     # ^ device -> pid -> utilization where NVML reports it per process
     probe_s: float = 0.0                            # host time a launch probe adds per launch
@@ -121,7 +125,8 @@ class Event:
 class Decision:
     grants: Mapping[Key, Grant]             # in the order they are written
     release: tuple[str, ...]                # held groups to resume, in order
-    cut_short: frozenset[str]               # ... of them, released before their budget had room
+    cut_short: frozenset[str]               # ... of them, cut short: at their hold bound, their
+                                            # budget or debt still saying hold
     events: tuple[Event, ...]               # in the order they happened
     counters: Mapping[str, int]             # increments
     next_step: float | None                 # duty pacing wants a step by then
@@ -132,7 +137,8 @@ class Decision:
 
 @dataclass(frozen=True)
 class Settings:
-    turn_s: float = 0.1             # a turn period
+    """The daemon's SM options (config.DaemonConfig's defaults)."""
+    turn_s: float = TURN_PERIOD_S   # the turns' period
     hold_s: float = duty.QUANTUM_S  # duty pacing's quantum
     host_run_s: float = duty.HOST_RUN_S
     turns: bool = True              # capped groups on one device take turns
@@ -267,7 +273,9 @@ class SmController:
         """Which readings a step at `now` with this `use` needs: device
         utilization only while a budget learns, for the guard of a budget
         that has its rate, and for the turns' calibration when it is due; no
-        NVML call per tick otherwise. Pure: the step reruns what it looks at."""
+        NVML call per tick otherwise. Pure: the step reruns what it looks at.
+        A superset at worst: in the tick a group goes to duty pacing, its
+        guard's reading is taken and goes unused."""
         seen = self._seen(now, use)
         prio = self._priorities(groups)
         plan = self.alone.plan(now, use, prio, self.budgets, seen.last_busy, seen.first_busy) \
@@ -283,7 +291,7 @@ class SmController:
             if self.settings.turns else self.turns
         calibrate = bool(slots) and (self.turntable.due_after(slots, now)
                                      if self.settings.turns else self.turntable.due(now))
-        return Reads(bool(guarded) or calibrate, guarded, bool(keys))
+        return Reads(bool(guarded), guarded, bool(keys), turn_util=calibrate)
 
     # -- the step ----------------------------------------------------------------
 
@@ -311,8 +319,9 @@ class SmController:
         paced = self._duty(obs, names, grants)
         release, cut = self._budgets(obs, names, prio, holds, learning, util, share, paced,
                                      grants)
-        if self.turns and obs.util is not None:
-            self.turntable.calibrate(now, self.budgets, obs.util, lambda: names,
+        turn_util = obs.util if learning else obs.turn_util
+        if self.turns and turn_util is not None:
+            self.turntable.calibrate(now, self.budgets, turn_util, lambda: names,
                                      learning=learning)
         counts = dict(self._counts)
         self._counts.clear()
