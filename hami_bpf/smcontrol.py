@@ -242,7 +242,8 @@ class SmControl:
     # -- one tick: read, step, carry out ------------------------------------
 
     def _tick(self, now: float) -> None:
-        d = self.ctl.step(self._observe(now))
+        obs = self._observe(now)
+        d = self.ctl.step(obs)
         probes = self.probes
         for (gi, dev), g in d.grants.items():
             probes.set_sm_grant(gi, dev, g.granted, True, checkpoint=g.checkpoint,
@@ -251,12 +252,11 @@ class SmControl:
         self.counters.update(d.counters)
         for group in d.release:
             self._resume_group(group)
-        groups = {g.name for g in self.table.groups()}
         for group in self.ctl.caps:
-            if group in self.throttled and group in groups:
+            if group in self.throttled and group in obs.groups:
                 self.last_throttled[group] = now
         if log.isEnabledFor(logging.DEBUG):
-            self._log_state(now, d)
+            self._log_state(obs, d)
 
     def _say(self, events) -> None:
         """Record the controller's events, in order (their types are
@@ -287,22 +287,23 @@ class SmControl:
             waiting=self.probes.sync_waiting() if reads.waiting else {},
             util=util, turn_util=turn_util, process_util=per_pid, probe_s=self.probe_cost_s)
 
-    def _log_state(self, now: float, d: Decision) -> None:
+    def _log_state(self, obs: Observation, d: Decision) -> None:
+        held = {g.index for name, g in obs.groups.items() if name in self.throttled}
+        names = {g.index: name for name, g in obs.groups.items()}
         for key, grant in d.grants.items():
-            if now - self._logged.get(key, 0) < DEBUG_LOG_S:
+            if obs.now - self._logged.get(key, 0) < DEBUG_LOG_S:
                 continue
-            self._logged[key] = now
+            self._logged[key] = obs.now
             b = self.ctl.budgets.get(key)
             if b is None:
-                log.debug("duty %s dev %d: debt %s ask_sync %s held %s", key[0], key[1],
-                          self.ctl.duty.debt(key), grant.hold_at_sync,
-                          key[0] in {g.index for g in self.table.groups()
-                                     if g.name in self.throttled})
+                log.debug("duty %s dev %d: debt %s ask_sync %s held %s", names.get(key[0]), key[1],
+                          self.ctl.duty.debt(key), grant.hold_at_sync, key[0] in held)
             else:
-                log.debug("budget %s dev %d: %s cap %s F=%.4g R=%s granted=%d cut_short=%d "
-                          "episodes=%d", key[0], key[1], grant.phase.value, b.cap, b.full_rate,
-                          b.rate and round(b.rate), grant.granted,
-                          self.counters["holds_cut_short"], self.counters["throttle_episodes"])
+                log.debug("budget %s dev %d: %s cap %s F=%.4g R=%s granted=%d held=%s "
+                          "cut_short=%d episodes=%d", names.get(key[0]), key[1],
+                          grant.phase.value, b.cap, b.full_rate, b.rate and round(b.rate),
+                          grant.granted, key[0] in held, self.counters["holds_cut_short"],
+                          self.counters["throttle_episodes"])
 
     def _throttle(self, e: abi.Event) -> None:
         """A launch found its group's budget spent and BPF stopped its process:

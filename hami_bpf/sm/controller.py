@@ -314,15 +314,11 @@ class SmController:
         learning = self._learning(use, keys)
         util = (obs.util or {}) if learning else obs.util
         share = self._shares(now, use, rates, util, holds) if learning else {}
-        if self.settings.turns:
-            self.turntable.plan(use, now, self.budgets, self.lending, lambda: names)
+        self._turns(now, use, names)
         paced = self._duty(obs, names, grants)
         release, cut = self._budgets(obs, names, prio, holds, learning, util, share, paced,
                                      grants)
-        turn_util = obs.util if learning else obs.turn_util
-        if self.turns and turn_util is not None:
-            self.turntable.calibrate(now, self.budgets, turn_util, lambda: names,
-                                     learning=learning)
+        self._calibrate(obs, names, learning)
         counts = dict(self._counts)
         self._counts.clear()
         return Decision(grants=grants, release=tuple(release), cut_short=frozenset(cut),
@@ -443,6 +439,21 @@ class SmController:
             share.update(neighbours(util.get(dev), r, known, now, done_rates,
                                     frozenset(k for k in unpaced if k[1] == dev)))
         return share
+
+    # -- turns --------------------------------------------------------------------------
+
+    def _turns(self, now: float, use: Mapping[Key, tuple], names: dict[int, str]) -> None:
+        """Who takes turns on each device this tick (sm.turntable)."""
+        if self.settings.turns:
+            self.turntable.plan(use, now, self.budgets, self.lending, lambda: names)
+
+    def _calibrate(self, obs: Observation, names: dict[int, str], learning: bool) -> None:
+        """The turns checked against their devices' utilization, when due:
+        the learning reading while a budget learns, else the turns' own."""
+        util = obs.util if learning else obs.turn_util
+        if self.turns and util is not None:
+            self.turntable.calibrate(obs.now, self.budgets, util, lambda: names,
+                                     learning=learning)
 
     # -- duty ---------------------------------------------------------------------------
 
