@@ -247,3 +247,23 @@ def test_a_hold_never_outlives_its_bound(cap, steps):
                 assert "a" in d.release
             if "a" in d.release:
                 since = None
+
+
+def test_the_device_is_read_only_when_a_decision_needs_it():
+    cfg = dataclasses.replace(PLAIN, turns=True)
+    c, gs = controller({"a": 30, "b": 70}, cfg), groups(a=1, b=2)
+    a, b = Load(1), Load(2)
+    a.run(100.0)
+    b.run(100.0)
+    assert c.wants(100.0, {a.key: a.use(), b.key: b.use()}, gs).util   # new budgets learn
+    for ld in (a, b):   # both learned, GPU-bound: they take turns, unchecked by the guard
+        c.budgets[ld.key] = Budget(cap=c.caps["a" if ld is a else "b"][DEV], rate=1e4,
+                                   full_rate=1e5, by_completion=True, started=100.0,
+                                   last_t=100.0, credit=float(ld.consumed))
+    use = {a.key: a.use(), b.key: b.use()}
+    reads = c.wants(100.05, use, gs)
+    assert not reads.util and reads.turn_util         # the turns' first reading is due
+    step(c, 100.05, gs, [a, b], turn_util={DEV: 90.0})
+    assert set(c.turns) == {a.key, b.key}
+    assert not c.wants(100.1, use, gs).turn_util      # read again TURN_CALIBRATE_S later
+    assert c.wants(100.05 + 1.6, use, gs).turn_util
