@@ -21,8 +21,9 @@ simulated GPU, bench/sim_sm.py; docs/performance.md):
    While a group learns, a synchronize's return also spends its grant (a
    BPF checkpoint, at most every 200 ms), so the grant that learning sets
    applies before the workload refills a second-deep queue.
-   A group learns alone where it can (learn_alone(), SmControl._learn_alone):
-   the device's other capped groups are held meanwhile, at most
+   A group learns alone where it can (learn_alone(), and
+   hami_bpf.sm.controller's SmController._learn_alone): the device's other
+   capped groups are held meanwhile, at most
    LEARN_ALONE_S, since next to another process the GPU time-slices and
    the pace comes out short (H200 matmuls: 92% side by side, 72-74% next to
    a group capped at 70); 2 is for where it cannot (an uncapped group busy
@@ -30,7 +31,7 @@ simulated GPU, bench/sim_sm.py; docs/performance.md):
 2. Correct F for contention. If the device was saturated while learning
    (device utilization >= SATURATED), other groups were taking part of it:
    the group's own part of the busy time, Ug (utilization attributed to it:
-   SmControl._throttle_tick), scales the pace to what the whole device would
+   SmController._shares), scales the pace to what the whole device would
    give it: F = pace x Ud / Ug. Alone, Ug = Ud and F = pace. The group's
    GPU time per cost unit, w = Ug / pace, is kept so that other groups
    learning later can subtract this one's part (rate x w) from the device.
@@ -161,6 +162,11 @@ class Budget:
     @property
     def learning(self) -> bool:
         return self.rate is None
+
+    def hold(self, consumed: int) -> None:
+        """Held off its device (another group learns there alone): nothing
+        granted past what it launched, and no slot running."""
+        self.granted, self.credit, self.turn_open = consumed, float(consumed), False
 
     def device_part(self, rate: float) -> float | None:
         """Fraction of the device this group takes at `rate` units/s, if known."""

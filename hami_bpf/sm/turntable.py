@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import time
 from typing import Callable
 
 from ..throttle import TURN_CALIBRATE_S, Turn, gpu_bound, scale_rate, turn_gains, turns
@@ -27,27 +26,63 @@ TURNS_SETTLE_S = 2.0     # turns this young are not judged (NVML reads the secon
 class TurnTable:
     """Owns the slots (by (group index, device)) and what was read of them."""
 
-    def __init__(self, period_s: float, record: Callable, counters: collections.Counter) -> None:
+    def __init__(self, period_s: float, record: Callable, counters: collections.Counter,
+                 epoch: float = 0.0) -> None:
         self.period_s = period_s
         self.record, self.counters = record, counters
         self.slots: dict[tuple[int, int], Turn] = {}
-        self._epoch = time.monotonic()          # slots are counted from the daemon's start
+        self._epoch = epoch                     # slots are counted from this (the daemon's start)
         self._read: float | None = None         # when the devices were last read
         self._util: dict[int, float | None] = {}    # ... and what was read
         self._off: dict[int, float] = {}        # device -> no turns there until (monotonic)
         self._began: dict[int, float] = {}      # device -> its turns as they are since
         self._low: dict[int, int] = {}          # device -> idle readings in a row
+        self._gone: set[int] = set()            # devices whose slots lost a group since the plan
 
     def forget(self, key: tuple[int, int]) -> None:
         """The group is no longer paced by its budget there: no slot for it."""
         self.slots.pop(key, None)
 
+    def forget_group(self, group_index: int) -> None:
+        """The group is gone: its slots too (the next plan shares its devices anew)."""
+        for key in [k for k in self.slots if k[0] == group_index]:
+            del self.slots[key]
+            self._gone.add(key[1])
+
+    def due(self, now: float) -> bool:
+        """Whether `calibrate` at `now` reads the devices."""
+        return self._read is None or now - self._read >= TURN_CALIBRATE_S
+
+    def due_after(self, new: dict, now: float) -> bool:
+        """Whether `calibrate` at `now` reads the devices once `plan` made
+        `new` (`select`) the slots: a change starts the readings over."""
+        return self.due(now) or bool(self._gone) or set(new) != set(self.slots)
+
     def plan(self, use: dict, now: float, budgets: dict, lending: set,
              names: Callable[[], dict]) -> None:
-        """Who takes turns where: groups with their rates, not learning (it
-        runs free), lending idle time, host-bound (throttle.gpu_bound), or
-        launching on another device too (a hold stops all of a group's
-        processes, so its turns on two devices would stop it in both)."""
+        """Who takes turns where (`select`); a change is recorded, and the
+        readings of the turns before it are dropped."""
+        new = self.select(use, now, budgets, lending)
+        for dev in sorted({d for _g, d in new} | {d for _g, d in self.slots} | self._gone):
+            mine = sorted(k for k in new if k[1] == dev)
+            if mine == sorted(k for k in self.slots if k[1] == dev) and dev not in self._gone:
+                continue
+            named = names()
+            self.record("throttle", "turns", device=dev, period_ms=round(self.period_s * 1000, 3),
+                        turns={named.get(k[0], str(k[0])): round(new[k].length, 4) for k in mine})
+            self._read = None     # the utilization of other turns says nothing
+            self._util.pop(dev, None)
+            self._began[dev] = now
+            self._low.pop(dev, None)
+        self._gone.clear()
+        self.slots = new
+
+    def select(self, use: dict, now: float, budgets: dict, lending: set) -> dict:
+        """Who would take turns where (pure): groups with their rates, not
+        learning (it runs free), lending idle time, host-bound
+        (throttle.gpu_bound), or launching on another device too (a hold
+        stops all of a group's processes, so its turns on two devices would
+        stop it in both)."""
         devices = collections.defaultdict(set)
         for (gi, dev), (consumed, *_r) in use.items():
             if consumed:
@@ -60,28 +95,17 @@ class TurnTable:
         new = {}
         for dev, on in caps.items():
             new.update(turns(on, epoch=self._epoch, period=self.period_s))
-        for dev in sorted({d for _g, d in new} | {d for _g, d in self.slots}):
-            mine = sorted(k for k in new if k[1] == dev)
-            if mine == sorted(k for k in self.slots if k[1] == dev):
-                continue
-            named = names()
-            self.record("throttle", "turns", device=dev, period_ms=round(self.period_s * 1000, 3),
-                        turns={named.get(k[0], str(k[0])): round(new[k].length, 4) for k in mine})
-            self._read = None     # the utilization of other turns says nothing
-            self._util.pop(dev, None)
-            self._began[dev] = now
-            self._low.pop(dev, None)
-        self.slots = new
+        return new
 
-    def calibrate(self, now: float, budgets: dict, utilization: Callable[[], dict],
+    def calibrate(self, now: float, budgets: dict, util: dict,
                   names: Callable[[], dict], learning: bool = False) -> None:
-        """Check the turns against the devices' utilization: every
-        TURN_CALIBRATE_S, from the readings since the last one; the first
-        reading only starts the count. While a budget learns (`learning`)
-        only idle turns are looked for: the rates are not final."""
-        if self._read is not None and now - self._read < TURN_CALIBRATE_S:
+        """Check the turns against the devices' utilization (`util`, device ->
+        percent, read for this tick where `due`): every TURN_CALIBRATE_S, from
+        the readings since the last one; the first reading only starts the
+        count. While a budget learns (`learning`) only idle turns are looked
+        for: the rates are not final."""
+        if not self.due(now):
             return
-        util = utilization()
         first, self._read = self._read is None, now
         self._check_idle(now, util)
         if learning:

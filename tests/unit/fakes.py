@@ -93,7 +93,7 @@ class FakeProbes:
     def sync_waiting(self):
         return {}
 
-    def set_sm_grant(self, gi, dev, granted, held, checkpoint=True):
+    def set_sm_grant(self, gi, dev, granted, held, checkpoint=True, hold_at_sync=False):
         self.grants[(gi, dev)] = (granted, held)
 
     def stats(self):

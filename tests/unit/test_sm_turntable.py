@@ -31,7 +31,7 @@ def calibrate(t: TurnTable, budgets: dict, util: float, start: float, steps: int
         now += 2.0
         for b in budgets.values():
             b.turn_slots = 5
-        t.calibrate(now, budgets, lambda: {0: util}, dict, learning=learning)
+        t.calibrate(now, budgets, {0: util}, dict, learning=learning)
     return now
 
 
