@@ -80,16 +80,17 @@ A launch-bound loop, one whose GPU has finished its work by the time it
 synchronizes (under LAUNCH_BOUND_SHARE of its running time inside
 synchronize calls: an LLM decode step of a few hundred small kernels), also
 runs slower per second of running for as long as it is held at all, by an
-amount nothing outside it shows. A decode loop capped at 50 by this pacer ran
-at 81-93% (mean 87%, eight stretches) of its own free speed per second of
-running, with holds of 66, 190 and 355 ms alike, where loops that keep the
-GPU busy while they launch (a CNN training step, an LLM prefill; 17-20% of
-their time waiting in synchronize calls) ran at 98-105%
-(bench/gpu/stopcont.sh, bench/gpu/suite.sh). So a launch-bound group in DUTY
-mode is given HOST_STOP_SHARE of its running time back, as the probes' share
-is: it runs cap / (1 - HOST_STOP_SHARE) of the time (cap 50: 55.6%). One
-that loses nothing runs a ninth over its cap (errs open, bounded); one that
-loses what the decode loop did lands within a few points of it.
+amount nothing outside it shows: its thread does less per CPU second, all
+through each slice, while the GPU's clock stays where it was. A decode loop
+capped at 50 by this pacer ran at 77-93% (mean 85%, ten stretches) of its
+own free speed per second of running, with holds of 66 to 355 ms alike;
+loops that keep the GPU busy while they launch (a CNN training step, an LLM
+prefill: 17-20% of their time waiting in synchronize calls) ran at 98-105%:
+their launching thread has slack (bench/gpu/stopcont.sh). So a
+launch-bound group in DUTY mode is given HOST_STOP_SHARE of its running time
+back, as the probes' share is: it runs cap / (1 - HOST_STOP_SHARE) of the
+time (cap 50: 58.8%). One that loses nothing runs that much over its cap
+(errs open, bounded); one that loses what the decode loop did lands on it.
 
 Groups that synchronize rarely (below PACED_HZ) are not paced here: their
 work sits in a launch queue that a hold does not drain, and the launch
@@ -123,8 +124,8 @@ WAITED_SHARE = 0.5     # running time inside synchronize calls from which the GP
 HOST_RUN_S = 0.2       # running between holds, at least, for a group its launching thread paces
 HOST_QUANTUM_MAX_S = 0.4   # ... whose hold (asked at this debt) grows at most to this
 GPU_PACED_SHARE = 0.6  # running time inside synchronize calls from which it is not host-paced again
-LAUNCH_BOUND_SHARE = 0.1   # running time inside synchronize calls under which the GPU idles as it runs
-HOST_STOP_SHARE = 0.1  # a launch-bound group's running time given back for what being held costs it
+LAUNCH_BOUND_SHARE = 0.05  # running time inside synchronize calls under which the GPU idles as it runs
+HOST_STOP_SHARE = 0.15     # a launch-bound group's running time given back for what being held costs it
 DUE_EPS_S = 1e-6       # a debt or hold this close to its end has ended (a step at next_step
                        # lands within rounding of it, on either side)
 

@@ -782,7 +782,7 @@ def allowed(cap: float) -> float:
     return min(cap / (1.0 - duty.HOST_STOP_SHARE), 99.0)
 
 
-@given(cap=st.integers(10, 90), waited=st.floats(0.0, 0.08))
+@given(cap=st.integers(10, 90), waited=st.floats(0.0, 0.04))
 @settings(max_examples=15, deadline=None)
 def test_a_launch_bound_group_is_given_back_what_being_held_costs_it(cap, waited):
     share, stop_share = always_running(duty.DutyPacer(), cap, waited)
@@ -790,7 +790,7 @@ def test_a_launch_bound_group_is_given_back_what_being_held_costs_it(cap, waited
     assert abs(share - allowed(cap)) <= 2.0, share
 
 
-@given(cap=st.integers(10, 90), waited=st.floats(0.15, 0.95))
+@given(cap=st.integers(10, 90), waited=st.floats(0.07, 0.95))
 @settings(max_examples=15, deadline=None)
 def test_a_group_that_waits_for_the_gpu_is_given_nothing_back(cap, waited):
     share, stop_share = always_running(duty.DutyPacer(), cap, waited)
