@@ -186,6 +186,11 @@ TYPES: tuple[EventType, ...] = (
                   "less often (such a loop runs slower for a while after each stop)"
                   if d["host_paced"] else
                   f"it waits for the GPU: held {d['hold_ms']} ms at a time again")),
+    EventType(K.THROTTLE, "given_back", ("group", "device", "stop_share"),
+              lambda d: f"group {d['group']!r} device {d['device']}: " + (
+                  f"launch-bound (its GPU idle by the time it synchronizes): runs "
+                  f"{d['stop_share']:.0%} of its running time more for what being held costs it"
+                  if d["stop_share"] else "no longer launch-bound: held for its cap alone")),
     EventType(K.THROTTLE, "alone_done",
               ("group", "group_index", "device", "alone", "outcome", "learn_s", "released"),
               _alone_done),

@@ -65,6 +65,9 @@ _SM_LABELLED = (
     ("hami_bpf_sm_slice_changes", "sm_slices_",
      "Groups paced by time that began to be held in longer slices because their launching "
      "thread sets their pace (host), or in the usual ones again (gpu).", "slices"),
+    ("hami_bpf_sm_giveback_changes", "sm_giveback_",
+     "Groups paced by time that began to run a share of their running time more because "
+     "they are launch-bound and being held slows them (on), or stopped (off).", "state"),
 )
 
 # Probe and handler failures: snapshot.counters key -> value of the `kind` label

@@ -488,6 +488,10 @@ class SmController:
             self._counts[f"sm_slices_{'host' if host else 'gpu'}"] += 1
             self._record("throttle", "slices", group=names.get(key[0], str(key[0])),
                          device=key[1], host_paced=host, hold_ms=round(quantum * 1000))
+        for key, share in d.given_back:
+            self._counts[f"sm_giveback_{'on' if share else 'off'}"] += 1
+            self._record("throttle", "given_back", group=names.get(key[0], str(key[0])),
+                         device=key[1], stop_share=share)
         for key, kd in d.keys.items():
             if kd.mode is not duty.Mode.DUTY:
                 continue

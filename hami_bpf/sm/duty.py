@@ -78,7 +78,8 @@ not, and in between (or with too little seen) it keeps what it was.
 
 A launch-bound loop, one whose GPU has finished its work by the time it
 synchronizes (under LAUNCH_BOUND_SHARE of its running time inside
-synchronize calls: an LLM decode step of a few hundred small kernels), also
+synchronize calls, until it reaches LAUNCH_SLACK_SHARE again: an LLM decode
+step of a few hundred small kernels), also
 runs slower per second of running for as long as it is held at all, by an
 amount nothing outside it shows: its thread does less per CPU second, all
 through each slice, while the GPU's clock stays where it was. A decode loop
@@ -125,6 +126,7 @@ HOST_RUN_S = 0.2       # running between holds, at least, for a group its launch
 HOST_QUANTUM_MAX_S = 0.4   # ... whose hold (asked at this debt) grows at most to this
 GPU_PACED_SHARE = 0.6  # running time inside synchronize calls from which it is not host-paced again
 LAUNCH_BOUND_SHARE = 0.05  # running time inside synchronize calls under which the GPU idles as it runs
+LAUNCH_SLACK_SHARE = 0.1   # ... and from which its launching thread has slack again
 HOST_STOP_SHARE = 0.15     # a launch-bound group's running time given back for what being held costs it
 DUE_EPS_S = 1e-6       # a debt or hold this close to its end has ended (a step at next_step
                        # lands within rounding of it, on either side)
@@ -183,6 +185,8 @@ class Decision:
     next_step: float | None                     # when a held group's debt is paid
     # (key, host-paced, its quantum) where a key in DUTY mode changed slices
     slice_changes: tuple[tuple[tuple[int, int], bool, float], ...] = ()
+    # (key, its stop_share now) where what it is given back for being held changed
+    given_back: tuple[tuple[tuple[int, int], float], ...] = ()
 
 
 @dataclass
@@ -352,6 +356,7 @@ class DutyPacer:
         decisions: dict[tuple[int, int], KeyDecision] = {}
         changes: list[tuple[tuple[int, int], Mode]] = []
         slices: list[tuple[tuple[int, int], bool, float]] = []
+        given: list[tuple[tuple[int, int], float]] = []
         for key, cap in obs.caps.items():
             u = obs.use.get(key, Use(0, 0))
             k = self._keys.get(key)
@@ -397,9 +402,14 @@ class DutyPacer:
             k.host_paced = _host_paced(k, window)
             mode = (Mode.DUTY if rate >= PACED_HZ else
                     Mode.BUDGET if rate < UNPACED_HZ else k.mode)
-            if window is not None:
-                k.launch_bound = window[1] < LAUNCH_BOUND_SHARE
-            k.stop_share = self.host_stop_share if k.launch_bound and mode is Mode.DUTY else 0.0
+            if window is not None and window[1] < LAUNCH_BOUND_SHARE:
+                k.launch_bound = True
+            elif window is not None and window[1] >= LAUNCH_SLACK_SHARE:
+                k.launch_bound = False
+            stop_share = self.host_stop_share if k.launch_bound and mode is Mode.DUTY else 0.0
+            if stop_share != k.stop_share:
+                given.append((key, stop_share))
+            k.stop_share = stop_share
             if mode != k.mode:
                 if mode is Mode.BUDGET:
                     if now - k.since >= BUDGET_STAY_MAX_S:
@@ -454,4 +464,4 @@ class DutyPacer:
                 next_step = due if next_step is None else min(next_step, due)
         return Decision(keys=decisions, release=frozenset(release), cut_short=frozenset(cut),
                         mode_changes=tuple(changes), next_step=next_step,
-                        slice_changes=tuple(slices))
+                        slice_changes=tuple(slices), given_back=tuple(given))

@@ -267,3 +267,17 @@ def test_the_device_is_read_only_when_a_decision_needs_it():
     assert set(c.turns) == {a.key, b.key}
     assert not c.wants(100.1, use, gs).turn_util      # read again TURN_CALIBRATE_S later
     assert c.wants(100.05 + 1.6, use, gs).turn_util
+
+
+def test_a_launch_bound_group_is_said_to_be_given_back_its_stop_cost_once():
+    # 100 synchronizes a second of running and no time inside them: launch-bound
+    c, gs, a = controller({"a": 50}), groups(a=1), Load(1)
+    t, given, counts = 100.0, [], collections.Counter()
+    for _ in range(300):
+        t += 0.01
+        a.run(t, cost=100, sync=True)
+        d = step(c, t, gs, [a])
+        given += events(d, "given_back")
+        counts.update(d.counters)
+    assert given == [dict(group="a", device=DEV, stop_share=duty.HOST_STOP_SHARE)]
+    assert counts["sm_giveback_on"] == 1 and counts["sm_giveback_off"] == 0

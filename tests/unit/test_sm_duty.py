@@ -801,3 +801,24 @@ def test_a_group_that_waits_for_the_gpu_is_given_nothing_back(cap, waited):
 def test_host_stop_share_zero_gives_nothing_back():
     share, stop_share = always_running(duty.DutyPacer(host_stop_share=0.0), 50, 0.0)
     assert stop_share == 0.0 and abs(share - 50) <= 2.0, share
+
+
+def test_launch_bound_has_hysteresis_and_each_change_is_reported():
+    p = duty.DutyPacer()
+    t, n, sync_s, said = 0.0, 0, 0.0, []
+
+    def run(seconds, waited):
+        nonlocal t, n, sync_s
+        for _ in range(int(seconds / 0.005)):
+            t += 0.005
+            n += 1
+            sync_s += 0.005 * waited
+            d = p.step(Observation(t, {KEY: 50.0}, {KEY: Use(n, n, sync_s=sync_s)}, {}))
+            said.extend(share for key, share in d.given_back if key == KEY)
+        return d.keys[KEY].stop_share
+
+    assert run(3.0, 0.01) == duty.HOST_STOP_SHARE      # launch-bound
+    assert run(3.0, 0.07) == duty.HOST_STOP_SHARE      # between the two: it keeps what it was
+    assert run(3.0, 0.2) == 0.0                        # slack again
+    assert run(3.0, 0.07) == 0.0
+    assert said == [duty.HOST_STOP_SHARE, 0.0]
