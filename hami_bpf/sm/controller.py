@@ -471,8 +471,11 @@ class SmController:
                 caps[(g.index, dev)] = cap
             if name in obs.held:
                 held[g.index] = obs.held[name]
+        shared = frozenset(k for k in caps if any(
+            b[1] == k[1] and b[0] != k[0] and now - t <= BUSY_S
+            for b, t in self._last_busy.items()))
         pobs = duty.Observation(now=now, caps=caps, held=held, turns=frozenset(self.turns),
-                                probe_s=obs.probe_s, use={
+                                probe_s=obs.probe_s, shared=shared, use={
             k: duty.Use(consumed=v[0], syncs=v[5], waiting=obs.waiting.get(k, 0), launches=v[1],
                         sync_s=v[3] / 1e9)
             for k, v in use.items() if k in caps})

@@ -90,8 +90,13 @@ prefill: 17-20% of their time waiting in synchronize calls) ran at 98-105%:
 their launching thread has slack (bench/gpu/stopcont.sh). So a
 launch-bound group in DUTY mode is given HOST_STOP_SHARE of its running time
 back, as the probes' share is: it runs cap / (1 - HOST_STOP_SHARE) of the
-time (cap 50: 58.8%). One that loses nothing runs that much over its cap
-(errs open, bounded); one that loses what the decode loop did lands on it.
+time (cap 50: 58.8%), while no other group uses its device
+(Observation.shared): the time given back is then time no one else wanted,
+where next to a neighbour it would be the neighbour's (a CNN capped at 30
+next to a decode loop at 70 given it back made 20.4% of its speed). One
+that loses nothing runs that much over its cap (errs open, where it costs no
+one); one that loses what the decode loop did lands on it. How much a held
+decode loop loses changes from run to run on the H200 VM (0-23%).
 
 Groups that synchronize rarely (below PACED_HZ) are not paced here: their
 work sits in a launch queue that a hold does not drain, and the launch
@@ -163,6 +168,9 @@ class Observation:
     # their holds are the turns' time slices, which count as running here
     turns: frozenset = frozenset()
     probe_s: float = 0.0    # host time the launch probe adds to each launch (measured at start)
+    # keys whose device another group launched on lately: nothing is given
+    # back there for being held (it would be the neighbour's time)
+    shared: frozenset = frozenset()
 
 
 @dataclass(frozen=True)
@@ -406,7 +414,8 @@ class DutyPacer:
                 k.launch_bound = True
             elif window is not None and window[1] >= LAUNCH_SLACK_SHARE:
                 k.launch_bound = False
-            stop_share = self.host_stop_share if k.launch_bound and mode is Mode.DUTY else 0.0
+            stop_share = (self.host_stop_share if k.launch_bound and mode is Mode.DUTY
+                          and key not in obs.shared else 0.0)
             if stop_share != k.stop_share:
                 given.append((key, stop_share))
             k.stop_share = stop_share

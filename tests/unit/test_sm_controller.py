@@ -281,3 +281,16 @@ def test_a_launch_bound_group_is_said_to_be_given_back_its_stop_cost_once():
         counts.update(d.counters)
     assert given == [dict(group="a", device=DEV, stop_share=duty.HOST_STOP_SHARE)]
     assert counts["sm_giveback_on"] == 1 and counts["sm_giveback_off"] == 0
+
+
+def test_a_launch_bound_group_is_given_nothing_back_while_another_group_uses_its_device():
+    c, gs = controller({"a": 50}), groups(a=1, b=2)
+    a, b = Load(1), Load(2)                   # b: uncapped, launching on the same device
+    t, given = 100.0, []
+    for i in range(600):
+        t += 0.01
+        a.run(t, cost=100, sync=True)
+        if i >= 300:
+            b.run(t, cost=100)
+        given += [e["stop_share"] for e in events(step(c, t, gs, [a, b]), "given_back")]
+    assert given == [duty.HOST_STOP_SHARE, 0.0]

@@ -32,7 +32,11 @@ def simulate(caps: dict[tuple[int, int], float], seconds: float, idle: set[int] 
             sync_s[k] += DT * waited
         if len({k[1] for k in running}) < len(running):
             overlap += DT
-        d = p.step(Observation(t, caps, {k: Use(c[k], c[k], sync_s=sync_s[k]) for k in caps}, dict(held)))
+        # as the controller says it: a device another group launched on lately
+        shared = frozenset(k for k in caps if any(o[1] == k[1] and o != k and o[0] not in idle
+                                                  for o in caps))
+        d = p.step(Observation(t, caps, {k: Use(c[k], c[k], sync_s=sync_s[k]) for k in caps},
+                               dict(held), shared=shared))
         for g in d.release:
             longest = max(longest, t - held.pop(g))
         for k, kd in d.keys.items():
@@ -61,12 +65,17 @@ def test_two_host_paced_groups_30_70_take_longer_turns_at_their_caps():
     assert duty.MAX_HOLD_S < longest <= 2 * duty.HOST_QUANTUM_MAX_S + 2 * DT, longest
 
 
-def test_two_launch_bound_groups_30_70_each_run_what_they_are_given_back():
-    # Never waiting in a synchronize: each is given back what being held
-    # costs such a loop, and neither starves the other for it.
+def test_two_launch_bound_groups_30_70_on_one_device_are_given_nothing_back():
+    # What being held costs a launch-bound loop is given back only from time
+    # no other group wants: here each runs its cap.
     share, overlap, longest = simulate({(1, 0): 30, (2, 0): 70}, 20, waited=0.0)
-    assert abs(share[(1, 0)] - allowed(30)) <= 3 and abs(share[(2, 0)] - allowed(70)) <= 3, share
+    assert abs(share[(1, 0)] - 30) <= 3 and abs(share[(2, 0)] - 70) <= 3, share
     assert duty.MAX_HOLD_S < longest <= 2 * duty.HOST_QUANTUM_MAX_S + 2 * DT, longest
+
+
+def test_a_launch_bound_group_alone_on_its_device_is_given_back_its_stop_cost():
+    share, _overlap, _ = simulate({(1, 0): 30, (2, 1): 70}, 20, waited=0.0)
+    assert abs(share[(1, 0)] - allowed(30)) <= 3 and abs(share[(2, 1)] - allowed(70)) <= 3, share
 
 
 def test_an_idle_neighbour_does_not_hold_a_group_back():
