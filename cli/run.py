@@ -7,7 +7,7 @@ import sys
 import click
 
 from hami_bpf.config import (DEFAULT_FALLBACK_DEVICES, DEFAULT_FALLBACK_TOTAL_MEM, DEFAULT_LIB_GRACE_S,
-                             DEFAULT_PIN_DIR, DEFAULT_SM_HOLD_MS, DEFAULT_SM_HOST_RUN_MS, DEFAULT_SM_TURN_MS, DEFAULT_SOCKET, DEFAULT_STATE_DIR, OOM_ACTIONS,
+                             DEFAULT_PIN_DIR, DEFAULT_SM_GIVEBACK_PCT, DEFAULT_SM_HOLD_MS, DEFAULT_SM_HOST_RUN_MS, DEFAULT_SM_TURN_MS, DEFAULT_SOCKET, DEFAULT_STATE_DIR, OOM_ACTIONS,
                              DaemonConfig, parse_group_by, parse_host_port)
 
 from .common import CliError
@@ -110,13 +110,12 @@ class UnixGroupType(click.ParamType):
 @click.option("--sm-turns/--no-sm-turns", default=True, show_default=True,
               help="Let groups capped on one GPU take turns: each gets a slot of every "
                    "period (--sm-turn-ms) as long as its cap, so their kernels do not "
-                   "time-slice the GPU "
-                   "(two processes sharing an H200 finish ~8% less than one alone).")
+                   "time-slice the GPU (two processes time-slicing a GPU finish less than "
+                   "one alone).")
 @click.option("--sm-turn-ms", "sm_turn_ms", type=click.IntRange(20, 1000),
               default=DEFAULT_SM_TURN_MS, show_default=True,
               help="The turns' period: a group capped at 30 waits up to 70% of it for its slot; "
-                   "a longer one hands the GPU over less often (H200, matmuls 30/70: the pair "
-                   "kept ~95.6% of the GPU at 100 ms, ~97.0% at 200 ms).")
+                   "a longer one hands the GPU over less often, and loses less at each handover.")
 @click.option("--sm-hold-ms", "sm_hold_ms", type=click.IntRange(10, 500),
               default=DEFAULT_SM_HOLD_MS, show_default=True,
               help="A capped group that synchronizes often is held, at a synchronize's return, "
@@ -129,6 +128,13 @@ class UnixGroupType(click.ParamType):
                    "hold as long as its cap asks (at most 400 ms): such a loop runs slower for "
                    "a while after every stop, so fewer stops let it keep its share. 0: held "
                    "as any other group.")
+@click.option("--sm-giveback-pct", "sm_giveback_pct", type=click.IntRange(0, 50),
+              default=DEFAULT_SM_GIVEBACK_PCT, show_default=True,
+              help="A capped group whose GPU has finished its work by the time it synchronizes "
+                   "(under 5% of its running time inside synchronize calls, as an LLM decode "
+                   "loop) runs this share of its running time more, while no other group uses "
+                   "its GPU: being held slows such a loop by about that much. 0: held for its "
+                   "cap alone.")
 @click.option("--sm-learn-alone/--no-sm-learn-alone", default=True, show_default=True,
               help="Let a newly capped group learn its full rate with the other capped groups "
                    "on its GPU held (at most 2 s; never an uncapped or higher-priority group): "
@@ -156,7 +162,7 @@ class UnixGroupType(click.ParamType):
 @click.option("-v", "--verbose", is_flag=True, help="Log debug details.")
 def run(libcuda, group_by, socket_path, count_launches, policy, env_limits, oom_action,
         metrics_addr, socket_group, demo, state_dir, pin_dir, keep_state, fresh, context_bytes,
-        sm_limits, sm_lend_idle, sm_turns, sm_turn_ms, sm_hold_ms, sm_host_run_ms, sm_learn_alone, open_gate,
+        sm_limits, sm_lend_idle, sm_turns, sm_turn_ms, sm_hold_ms, sm_host_run_ms, sm_giveback_pct, sm_learn_alone, open_gate,
         hami_regions, fallback_devices, fallback_total_mem, sim_gpu, lib_grace_s, verbose):
     """Start the daemon: attach probes, keep the slot table, serve the socket."""
     if os.geteuid() != 0:
@@ -168,7 +174,8 @@ def run(libcuda, group_by, socket_path, count_launches, policy, env_limits, oom_
                        verbose=verbose, context_bytes=context_bytes, sm_limits=sm_limits,
                        sm_lend_idle=sm_lend_idle, sm_turns=sm_turns,
                        sm_turn_ms=sm_turn_ms, sm_hold_ms=sm_hold_ms,
-                       sm_host_run_ms=sm_host_run_ms, sm_learn_alone=sm_learn_alone, open_gate=open_gate,
+                       sm_host_run_ms=sm_host_run_ms, sm_giveback_pct=sm_giveback_pct,
+                       sm_learn_alone=sm_learn_alone, open_gate=open_gate,
                        hami_regions=hami_regions, pin_dir=pin_dir if keep_state else None,
                        fresh=fresh, fallback_devices=fallback_devices,
                        fallback_total_mem=fallback_total_mem, sim_gpu=sim_gpu,

@@ -141,6 +141,7 @@ class Settings:
     turn_s: float = TURN_PERIOD_S   # the turns' period
     hold_s: float = duty.QUANTUM_S  # duty pacing's quantum
     host_run_s: float = duty.HOST_RUN_S
+    host_stop_share: float = duty.HOST_STOP_SHARE   # given back to a launch-bound group alone
     turns: bool = True              # capped groups on one device take turns
     lend_idle: bool = False         # a capped group may use what is idle
     learn_alone: bool = True        # one group at a time learns its rate alone
@@ -148,7 +149,8 @@ class Settings:
     @classmethod
     def from_config(cls, cfg) -> "Settings":
         return cls(turn_s=cfg.sm_turn_ms / 1000, hold_s=cfg.sm_hold_ms / 1000,
-                   host_run_s=cfg.sm_host_run_ms / 1000, turns=cfg.sm_turns,
+                   host_run_s=cfg.sm_host_run_ms / 1000,
+                   host_stop_share=cfg.sm_giveback_pct / 100, turns=cfg.sm_turns,
                    lend_idle=cfg.sm_lend_idle, learn_alone=cfg.sm_learn_alone)
 
 
@@ -184,7 +186,8 @@ class SmController:
         # Groups that synchronize often are paced by time, the rest by budget.
         self.duty = duty.DutyPacer(quantum_s=settings.hold_s,
                                    max_hold_s=max(duty.MAX_HOLD_S, 2 * settings.hold_s),
-                                   host_run_s=settings.host_run_s)
+                                   host_run_s=settings.host_run_s,
+                                   host_stop_share=settings.host_stop_share)
         self.guard = guard.Guard()
         self.next_step: float | None = None         # duty pacing's next step
         self._probe_s = 0.0                         # the last observation's probe cost

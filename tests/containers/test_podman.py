@@ -182,7 +182,7 @@ def test_sm_cap_throttles_a_container(agent, fakecuda, images, own_lib, workdir)
             return None if int(agent.snapshot()["counters"].get("launch_probes", 0)) > 0 \
                 else "no launch probe yet"
         wait_for(probes, 10, what="launch probes for the capped container")
-        run = Sampled(w.proc, "launch 1600000", watch=(w.pid,))
+        run = Sampled(w.proc, "launch 800000", watch=(w.pid,))
         samples = run.sample_until_done()
         assert run.reply.get("rc") == "0", run.reply
         assert any(s[1] == "T" for s in samples), "the capped container was never stopped"

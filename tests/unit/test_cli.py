@@ -145,14 +145,20 @@ def test_run_defaults(fake_daemon):
     assert cfg.socket == "/run/hami-bpf/hami-bpf.sock" and cfg.oom_action == "auto"
     assert cfg.libcuda == () and cfg.policy is None and not cfg.count_launches
     assert cfg.sm_limits and cfg.sm_turns and cfg.sm_turn_ms == 100 and cfg.sm_learn_alone
-    assert cfg.sm_hold_ms == 50
+    assert cfg.sm_hold_ms == 50 and cfg.sm_giveback_pct == 15
 
 
 def test_run_sm_options(fake_daemon):
     assert invoke("run", "--no-sm-learn-alone", "--sm-turn-ms", "200",
-                  "--sm-hold-ms", "120").exit_code == 0
+                  "--sm-hold-ms", "120", "--sm-giveback-pct", "0").exit_code == 0
     (cfg,) = fake_daemon.calls
     assert not cfg.sm_learn_alone and cfg.sm_turn_ms == 200 and cfg.sm_hold_ms == 120
+    assert cfg.sm_giveback_pct == 0
+
+
+def test_run_refuses_a_giveback_over_50(fake_daemon):
+    assert invoke("run", "--sm-giveback-pct", "60").exit_code == 2
+    assert not fake_daemon.calls
 
 
 def test_run_daemon_error_is_one_line(fake_daemon):

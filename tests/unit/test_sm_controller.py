@@ -294,3 +294,15 @@ def test_a_launch_bound_group_is_given_nothing_back_while_another_group_uses_its
             b.run(t, cost=100)
         given += [e["stop_share"] for e in events(step(c, t, gs, [a, b]), "given_back")]
     assert given == [duty.HOST_STOP_SHARE, 0.0]
+
+
+def test_a_giveback_of_zero_gives_nothing_back():
+    c = SmController(dataclasses.replace(PLAIN, host_stop_share=0.0), epoch=0.0)
+    assert c.set_cap("a", DEV, 50)
+    gs, a = groups(a=1), Load(1)
+    t, given = 100.0, []
+    for _ in range(300):
+        t += 0.01
+        a.run(t, cost=100, sync=True)
+        given += events(step(c, t, gs, [a]), "given_back")
+    assert given == []
