@@ -106,7 +106,7 @@ def clock_profile(samples, spans, t0, t1):
     run, held = [], []
     by = [[] for _ in BINS]
     resumes = [t0] + [b for _, b in spans]
-    j = k = 0
+    k = 0
     for t, mhz, watts in samples:
         if not t0 <= t < t1:
             continue
@@ -116,9 +116,7 @@ def clock_profile(samples, spans, t0, t1):
             held.append((mhz, watts))
             continue
         run.append((mhz, watts))
-        while j + 1 < len(resumes) and resumes[j + 1] <= t:
-            j += 1
-        by[bisect.bisect_right(BINS, t - resumes[j]) - 1].append(mhz)
+        by[since_bin(t, resumes)].append(mhz)
     mean = lambda xs, i: sum(x[i] for x in xs) / len(xs) if xs else None
     return {"sm_mhz_run": mean(run, 0), "sm_mhz_held": mean(held, 0),
             "watts_run": mean(run, 1), "watts_held": mean(held, 1),
@@ -144,6 +142,12 @@ def stopped_spans(edges, t0, t1):
 BINS = (0.0, 0.025, 0.05, 0.1, 0.2, 0.4)
 
 
+def since_bin(t, resumes):
+    """The BINS index of the time from the last resume at or before t
+    (resumes in order, the first at or before t)."""
+    return bisect.bisect_right(BINS, t - resumes[bisect.bisect_right(resumes, t) - 1]) - 1
+
+
 def slice_profile(times, units, spans, t0, t1):
     """Units per second of running in each BINS bin of time since resume,
     the stops' count and mean length, the running slices' mean length."""
@@ -155,14 +159,9 @@ def slice_profile(times, units, spans, t0, t1):
         for i, lo in enumerate(BINS):
             hi = BINS[i + 1] if i + 1 < len(BINS) else float("inf")
             run_s[i] += max(0.0, min(e, r + hi) - (r + lo))
-    j = 0
     for t, n in zip(times, units):
-        if not t0 <= t < t1:
-            continue
-        while j + 1 < len(resumes) and resumes[j + 1] <= t:
-            j += 1
-        since = t - resumes[j]
-        done[bisect.bisect_right(BINS, since) - 1] += n
+        if t0 <= t < t1:
+            done[since_bin(t, resumes)] += n
     slices = [e - r for r, e in zip(resumes, stops_at)]
     return {"stops": len(spans),
             "stop_ms": 1000 * sum(b - a for a, b in spans) / len(spans) if spans else None,
