@@ -130,12 +130,11 @@ class UnixGroupType(click.ParamType):
                    "as any other group.")
 @click.option("--sm-giveback-pct", "sm_giveback_pct", type=click.IntRange(0, 50),
               default=DEFAULT_SM_GIVEBACK_PCT, show_default=True,
-              help="The most a capped group whose GPU has finished its work by the time it "
-                   "synchronizes (under 5% of its running time inside synchronize calls, as an "
-                   "LLM decode loop) is given back of its running time for what being held "
-                   "costs it, while no other group uses its GPU. The cost is measured while it "
-                   "runs: now and then it runs unheld for 0.8 s, repaid by its next holds. "
-                   "0: held for its cap alone, never measured.")
+              help="A capped group whose GPU has finished its work by the time it synchronizes "
+                   "(under 5% of its running time inside synchronize calls, as an LLM decode "
+                   "loop) runs this share of its running time more, while no other group uses "
+                   "its GPU: being held slows such a loop by about that much. 0: held for its "
+                   "cap alone.")
 @click.option("--sm-learn-alone/--no-sm-learn-alone", default=True, show_default=True,
               help="Let a newly capped group learn its full rate with the other capped groups "
                    "on its GPU held (at most 2 s; never an uncapped or higher-priority group): "

@@ -113,8 +113,7 @@ class DaemonConfig:
     sm_turn_ms: int = DEFAULT_SM_TURN_MS  # the turns' period
     sm_hold_ms: int = DEFAULT_SM_HOLD_MS  # running time a synchronizing group owes before it is held
     sm_host_run_ms: int = DEFAULT_SM_HOST_RUN_MS  # a host-paced group runs this long between holds; 0: off
-    sm_giveback_pct: int = DEFAULT_SM_GIVEBACK_PCT  # the most a launch-bound group alone is given
-                                                    # back for what holds cost it (measured); 0: off
+    sm_giveback_pct: int = DEFAULT_SM_GIVEBACK_PCT  # a launch-bound group alone runs this % more; 0: off
     sm_learn_alone: bool = True          # a group learns its rate with its device's capped groups held
     open_gate: bool = True               # hold a process opening a libcuda until that file is probed
     pin_dir: str | None = DEFAULT_PIN_DIR  # bpffs directory the accounting maps are kept in; None = not kept

@@ -36,7 +36,6 @@ DAEMON_COUNTERS: tuple[str, ...] = (
     "reaped",
     "slot_write_after_exit",
     "sm_errors",
-    "sm_hold_loss_samples",   # free stretches that measured what holds cost a launch-bound group
     "sm_holds_at_sync",
     "state_write_errors",
     "throttle_episodes",      # SM-cap holds: a group stopped until its budget refills

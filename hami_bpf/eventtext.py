@@ -188,13 +188,9 @@ TYPES: tuple[EventType, ...] = (
                   f"it waits for the GPU: held {d['hold_ms']} ms at a time again")),
     EventType(K.THROTTLE, "given_back", ("group", "device", "stop_share"),
               lambda d: f"group {d['group']!r} device {d['device']}: " + (
-                  f"launch-bound and alone on its device: runs {d['stop_share']:.1%} of its "
-                  "running time more for what being held costs it (measured)"
-                  if d["stop_share"] else "held for its cap alone (nothing given back)")),
-    EventType(K.THROTTLE, "hold_loss", ("group", "device", "held_rate", "free_rate", "loss"),
-              lambda d: f"group {d['group']!r} device {d['device']}: a free stretch ran "
-                        f"{d['free_rate']:.0f} launches/s against {d['held_rate']:.0f} while "
-                        f"held: being held costs it {d['loss']:.1%}"),
+                  f"launch-bound (its GPU idle by the time it synchronizes): runs "
+                  f"{d['stop_share']:.0%} of its running time more for what being held costs it"
+                  if d["stop_share"] else "no longer launch-bound: held for its cap alone")),
     EventType(K.THROTTLE, "alone_done",
               ("group", "group_index", "device", "alone", "outcome", "learn_s", "released"),
               _alone_done),

@@ -49,9 +49,6 @@ _COUNTERS = (
     ("hami_bpf_sm_holds_cut_short_total", "holds_cut_short",
      "SM holds ended by their time bound with the group's debt or budget unpaid "
      "(the controller erred open).", 1),
-    ("hami_bpf_sm_hold_loss_samples_total", "sm_hold_loss_samples",
-     "Times a launch-bound group alone on its device ran a free stretch that measured what "
-     "being held costs it (each one a throttle/hold_loss event; its median is given back).", 1),
     ("hami_bpf_reaped_total", "reaped",
      "Exited processes found by the /proc reaper because their exit event was lost.", 1),
 )

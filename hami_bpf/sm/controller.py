@@ -141,7 +141,7 @@ class Settings:
     turn_s: float = TURN_PERIOD_S   # the turns' period
     hold_s: float = duty.QUANTUM_S  # duty pacing's quantum
     host_run_s: float = duty.HOST_RUN_S
-    host_stop_share: float = duty.HOST_STOP_SHARE   # the most given back to a launch-bound group alone
+    host_stop_share: float = duty.HOST_STOP_SHARE   # given back to a launch-bound group alone
     turns: bool = True              # capped groups on one device take turns
     lend_idle: bool = False         # a capped group may use what is idle
     learn_alone: bool = True        # one group at a time learns its rate alone
@@ -494,14 +494,10 @@ class SmController:
             self._counts[f"sm_slices_{'host' if host else 'gpu'}"] += 1
             self._record("throttle", "slices", group=names.get(key[0], str(key[0])),
                          device=key[1], host_paced=host, hold_ms=round(quantum * 1000))
-        for key, sample in d.hold_losses:
-            self._counts["sm_hold_loss_samples"] += 1
-            self._record("throttle", "hold_loss", group=names.get(key[0], str(key[0])),
-                         device=key[1], **sample.fields)
         for key, share in d.given_back:
             self._counts[f"sm_giveback_{'on' if share else 'off'}"] += 1
             self._record("throttle", "given_back", group=names.get(key[0], str(key[0])),
-                         device=key[1], stop_share=round(share, 4))
+                         device=key[1], stop_share=share)
         for key, kd in d.keys.items():
             if kd.mode is not duty.Mode.DUTY:
                 continue

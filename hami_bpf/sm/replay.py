@@ -111,10 +111,9 @@ class Cold:
 
 COLD_MEASURED = Cold(seconds=0.03, speed=0.7)
 # A launch-bound loop held by the daemon at all, at any hold length: a decode
-# loop ran at 77-93% (mean 85%) of its free speed per second of running, all
-# through slices of up to ~200 ms (bench/gpu/stopcont.sh). A quarter second
-# after each release covers every slice the pacer gives it.
-HELD_MEASURED = Cold(seconds=0.25, speed=0.85)
+# loop ran at 77-93% (mean 85%) of its free speed per second of running
+# (bench/gpu/stopcont.sh). A second after each release covers every slice.
+HELD_MEASURED = Cold(seconds=1.0, speed=0.85)
 
 _HOST, _WAIT, _DONE = 0, 1, 2
 

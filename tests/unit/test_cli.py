@@ -145,7 +145,7 @@ def test_run_defaults(fake_daemon):
     assert cfg.socket == "/run/hami-bpf/hami-bpf.sock" and cfg.oom_action == "auto"
     assert cfg.libcuda == () and cfg.policy is None and not cfg.count_launches
     assert cfg.sm_limits and cfg.sm_turns and cfg.sm_turn_ms == 100 and cfg.sm_learn_alone
-    assert cfg.sm_hold_ms == 50 and cfg.sm_giveback_pct == 25
+    assert cfg.sm_hold_ms == 50 and cfg.sm_giveback_pct == 15
 
 
 def test_run_sm_options(fake_daemon):

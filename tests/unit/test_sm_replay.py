@@ -26,7 +26,6 @@ between recorded synchronize returns).
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 from pathlib import Path
 
@@ -87,6 +86,11 @@ def expectation(key: str, rec: replay.Recording) -> str:
     return "duty" if len(rec.syncs) / seconds >= duty.PACED_HZ else "budget"
 
 
+def allowed(cap: float) -> float:
+    """The share of the time (percent) a launch-bound group in DUTY mode runs."""
+    return min(cap / (1.0 - duty.HOST_STOP_SHARE), 99.0)
+
+
 def waited_share(rec: replay.Recording) -> float:
     """Its time inside synchronize calls while it synchronizes often enough
     to be paced by time (between returns under 1 / PACED_HZ apart), over
@@ -103,9 +107,9 @@ def waited_share(rec: replay.Recording) -> float:
 
 
 def expected_ratio(rec: replay.Recording, cap: float) -> float:
-    # A stop costs nothing here: a launch-bound loop measures no loss from
-    # its holds (hami_bpf.sm.holdloss) and is given nothing back.
-    run = cap
+    # A stop costs nothing here: a launch-bound loop runs what it is given
+    # back for its stops on the GPU (duty.HOST_STOP_SHARE) over its cap.
+    run = allowed(cap) if waited_share(rec) < duty.LAUNCH_BOUND_SHARE else cap
     returns = sorted(s[2] for s in rec.syncs)
     gaps = sorted(b - a for a, b in zip(returns, returns[1:]))
     if not gaps:
@@ -116,19 +120,16 @@ def expected_ratio(rec: replay.Recording, cap: float) -> float:
 
 @functools.lru_cache(maxsize=None)
 def capped(key: str, cap: int, seen_after: float = 0.0, late_by: float = 0.0,
-           tick: float = replay.TICK_S, giveback: bool = True) -> replay.Report:
-    """`giveback` False: nothing measured or given back for being held (the
-    pacing alone, without the free stretches' noise)."""
+           tick: float = replay.TICK_S) -> replay.Report:
     rec, wl, base = workload(key)
-    pacer = None if giveback else duty.DutyPacer(host_stop_share=0.0)
     if rec.loop_start is None:
         return replay.compare(replay.replay_capped(wl, cap, horizon=HORIZON_S,
                                                    seen_after=seen_after, late_by=late_by,
-                                                   tick=tick, pacer=pacer), base)
+                                                   tick=tick), base)
     # to the loop's end: a run held to its cap all along takes 100 / cap as long
     horizon = wl.recorded_end * 100.0 / cap + 10.0
     return replay.compare(replay.replay_capped(wl, cap, horizon=horizon, seen_after=seen_after,
-                                               late_by=late_by, tick=tick, pacer=pacer),
+                                               late_by=late_by, tick=tick),
                           base, (rec.loop_start, rec.loop_end))
 
 
@@ -188,7 +189,7 @@ def against_on_time(key: str, cap: int, **kw) -> tuple[replay.Report, replay.Rep
     rec = workload(key)[0]
     if expectation(key, rec) != "duty" or rec.loop_start is None:
         pytest.skip("paced by time over a timed loop only")
-    rep, on_time = capped(key, cap, giveback=False, **kw), capped(key, cap, giveback=False)
+    rep, on_time = capped(key, cap, **kw), capped(key, cap)
     print(rep.line())
     assert rep.loop_below_longest_s <= FAIL_OPEN_S, rep.line()
     return rep, on_time
@@ -493,58 +494,31 @@ def test_at_cap_75_longer_slices_cost_a_cold_starting_loop_nothing(key):
 
 # -- a launch-bound loop that runs slower whenever it is held ---------------------
 
-@pytest.mark.parametrize("speed", (0.92, replay.HELD_MEASURED.speed, 0.78))
 @pytest.mark.parametrize("cap", CAPS)
 @pytest.mark.parametrize("key", COLD_KEYS)
-def test_a_launch_bound_loop_slowed_by_its_holds_keeps_its_cap(key, cap, speed):
-    """Whatever its holds cost it, it is measured and given back."""
+def test_a_launch_bound_loop_slowed_by_its_holds_keeps_its_cap(key, cap):
     if key not in RECORDINGS:
         pytest.skip(f"no recording {key}")
     assert waited_share(workload(key)[0]) < duty.LAUNCH_BOUND_SHARE
-    held = dataclasses.replace(replay.HELD_MEASURED, speed=speed)
-    given = cold_loop(key, cap, duty.HOST_RUN_S, held, duty.HOST_STOP_SHARE)
+    given = cold_loop(key, cap, duty.HOST_RUN_S, replay.HELD_MEASURED, duty.HOST_STOP_SHARE)
     print(given.line())
     assert abs(100 * given.loop_mean - cap) <= TOLERANCE_PTS, given.line()
     assert given.loop_below_longest_s <= FAIL_OPEN_S, given.line()
-    if cap >= 50 and speed <= replay.HELD_MEASURED.speed:
+    if cap >= 50:
         # held for its cap's share of the time alone, it falls short by its loss
-        kept = cold_loop(key, cap, duty.HOST_RUN_S, held, 0.0)
+        kept = cold_loop(key, cap, duty.HOST_RUN_S, replay.HELD_MEASURED, 0.0)
         print(kept.line())
         assert 100 * kept.loop_mean < cap - TOLERANCE_PTS, kept.line()
 
 
-@functools.lru_cache(maxsize=None)
-def synth_decode():
-    rec = replay.from_obj(synth.decode(seconds=40.0))
-    wl = replay.fit(rec)
-    return wl, replay.replay(wl)
-
-
-@pytest.mark.parametrize("speed", (0.85, 0.78))
-@pytest.mark.parametrize("cap", (50, 75))
-def test_a_long_launch_bound_loop_keeps_its_cap_whatever_holds_cost_it(cap, speed):
-    """40 s of a synthetic decode loop: its loss measured again and again."""
-    wl, base = synth_decode()
-    held = dataclasses.replace(replay.HELD_MEASURED, speed=speed)
-    runs = {most: replay.compare(replay.replay_capped(
-        wl, cap, horizon=40.0 * 100 / cap + 10, cold=held,
-        pacer=duty.DutyPacer(host_stop_share=most)), base) for most in (duty.HOST_STOP_SHARE, 0.0)}
-    given, kept = runs[duty.HOST_STOP_SHARE], runs[0.0]
-    print(given.line())
-    print(kept.line())
-    assert abs(100 * given.duty_mean - cap) <= 3.0, given.line()
-    assert 100 * kept.duty_mean < cap - TOLERANCE_PTS, kept.line()
-    assert given.below_longest_s <= FAIL_OPEN_S, given.line()
-
-
 @pytest.mark.parametrize("cap", CAPS)
-def test_a_launch_bound_loop_that_loses_nothing_is_given_nothing_back(cap):
+def test_a_launch_bound_loop_that_loses_nothing_runs_at_most_the_bound_over_its_cap(cap):
     key = "trace:llm_decode.json.gz"
     if key not in RECORDINGS:
         pytest.skip(f"no recording {key}")
     free = cold_loop(key, cap, duty.HOST_RUN_S, None, duty.HOST_STOP_SHARE)
     print(free.line())
-    assert abs(100 * free.loop_mean - cap) <= TOLERANCE_PTS, free.line()
+    assert cap < 100 * free.loop_mean <= allowed(cap) + 1.0, free.line()
 
 
 @pytest.mark.parametrize("cap", CAPS)
