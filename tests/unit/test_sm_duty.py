@@ -9,6 +9,7 @@ from hypothesis import given, settings, strategies as st
 
 from hami_bpf.sm import duty
 from hami_bpf.sm.duty import Ask, Mode, Observation, Use
+from smexpect import allowed
 
 KEY = (0, 0)
 
@@ -776,10 +777,6 @@ def always_running(p, cap, waited, seconds=20.0, dt=0.002):
         elif since is None and kd.ask is not Ask.NONE:
             since = t
     return 100.0 * ran / total, kd.stop_share
-
-
-def allowed(cap: float) -> float:
-    return min(cap / (1.0 - duty.HOST_STOP_SHARE), 99.0)
 
 
 @given(cap=st.integers(10, 90), waited=st.floats(0.0, 0.04))

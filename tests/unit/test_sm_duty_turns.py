@@ -4,6 +4,7 @@ from __future__ import annotations
 from hypothesis import given, settings, strategies as st
 
 from hami_bpf.sm import duty
+from smexpect import allowed
 from hami_bpf.sm.duty import Ask, DutyPacer, Observation, Use
 
 DT = 0.002
@@ -51,10 +52,6 @@ def test_two_groups_30_70_alternate_at_their_caps():
     # Only the first second, while neither is paced yet, runs side by side.
     assert overlap <= duty.SYNC_WINDOW_S + 0.2, overlap
     assert longest <= duty.MAX_HOLD_S + 2 * DT
-
-
-def allowed(cap: float) -> float:
-    return min(cap / (1.0 - duty.HOST_STOP_SHARE), 99.0)
 
 
 def test_two_host_paced_groups_30_70_take_longer_turns_at_their_caps():

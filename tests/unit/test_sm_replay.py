@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 
 from hami_bpf.sm import duty, replay, synth
+from smexpect import allowed
 
 TRACES = Path(__file__).resolve().parents[1] / "data" / "traces"
 CAPS = (25, 50, 75)
@@ -84,11 +85,6 @@ def expectation(key: str, rec: replay.Recording) -> str:
         return table[rec.workload]
     seconds = float(rec.header.get("seconds") or 0) or 1.0
     return "duty" if len(rec.syncs) / seconds >= duty.PACED_HZ else "budget"
-
-
-def allowed(cap: float) -> float:
-    """The share of the time (percent) a launch-bound group in DUTY mode runs."""
-    return min(cap / (1.0 - duty.HOST_STOP_SHARE), 99.0)
 
 
 def waited_share(rec: replay.Recording) -> float:
