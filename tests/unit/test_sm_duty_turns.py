@@ -4,8 +4,8 @@ from __future__ import annotations
 from hypothesis import given, settings, strategies as st
 
 from hami_bpf.sm import duty
-from smexpect import allowed
 from hami_bpf.sm.duty import Ask, DutyPacer, Observation, Use
+from smexpect import allowed
 
 DT = 0.002
 
