@@ -318,7 +318,7 @@ class SmController:
         util = (obs.util or {}) if learning else obs.util
         share = self._shares(now, use, rates, util, holds) if learning else {}
         self._turns(now, use, names)
-        paced = self._duty(obs, names, grants)
+        paced = self._duty(obs, names, grants, holds)
         release, cut = self._budgets(obs, names, prio, holds, learning, util, share, paced,
                                      grants)
         self._calibrate(obs, names, learning)
@@ -460,7 +460,8 @@ class SmController:
 
     # -- duty ---------------------------------------------------------------------------
 
-    def _duty(self, obs: Observation, names: dict[int, str], grants: dict) -> duty.Decision:
+    def _duty(self, obs: Observation, names: dict[int, str], grants: dict,
+              alone_held: frozenset) -> duty.Decision:
         """Step duty pacing for every capped (group, device); grant what it
         asks of the groups it paces: a stop at the next synchronize's return,
         or at the next launch where none came."""
@@ -474,11 +475,9 @@ class SmController:
                 caps[(g.index, dev)] = cap
             if name in obs.held:
                 held[g.index] = obs.held[name]
-        shared = frozenset(k for k in caps if any(
-            b[1] == k[1] and b[0] != k[0] and now - t <= BUSY_S
-            for b, t in self._last_busy.items()))
+        shared = frozenset(k for k in caps if self._neighbour_busy(k, now))
         pobs = duty.Observation(now=now, caps=caps, held=held, turns=frozenset(self.turns),
-                                probe_s=obs.probe_s, shared=shared, use={
+                                alone_held=alone_held, probe_s=obs.probe_s, shared=shared, use={
             k: duty.Use(consumed=v[0], syncs=v[5], waiting=obs.waiting.get(k, 0), launches=v[1],
                         sync_s=v[3] / 1e9)
             for k, v in use.items() if k in caps})
@@ -632,14 +631,18 @@ class SmController:
                 cut.add(group)
             release.append(group)
 
+    def _neighbour_busy(self, key: Key, now: float) -> bool:
+        """Whether another group launched on key's device within BUSY_S."""
+        return any(k[1] == key[1] and k[0] != key[0] and now - t <= BUSY_S
+                   for k, t in self._last_busy.items())
+
     def _guard(self, obs: Observation, key: Key, group: str, g: Group, b: Budget,
                held: bool) -> None:
         """Check a budget-paced group's learned rate against the GPU (sm.guard)
         and correct it: a group held while its device idles is loosened at once."""
         now = obs.now
         util = obs.util.get(key[1])
-        shared = any(k[1] == key[1] and k != key and now - t <= BUSY_S
-                     for k, t in self._last_busy.items())
+        shared = self._neighbour_busy(key, now)
         source = guard.Source.DEVICE
         per_pid = obs.process_util.get(key[1])
         if per_pid:

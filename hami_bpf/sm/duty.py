@@ -50,8 +50,10 @@ budget's holds in its rate for a while (BUDGET_STAY_S, doubled at each return,
 up to BUDGET_STAY_MAX_S): a loop whose synchronizes come at set wall-clock
 times synchronizes more often per second of running the longer the budget
 holds it, and would go back and forth between the two. Nor does a group
-whose budget takes turns with others' (Observation.turns) leave out its
-holds: those are its time slices, not an estimate gone wrong.
+whose budget takes turns with others' (Observation.turns), or which waits
+while another group learns its rate alone (Observation.alone_held), leave
+out its holds: those are its time slices, or another's, not an estimate
+gone wrong.
 
 The launch probe's own time is the controller's, not the group's: a group
 whose host loop sets its pace (its threads spend under half their running
@@ -167,6 +169,11 @@ class Observation:
     # keys whose launch budget takes turns with other groups' on their device:
     # their holds are the turns' time slices, which count as running here
     turns: frozenset = frozenset()
+    # keys held while another group learns its rate alone on their device
+    # (sm.alone): not their pacing either, so those holds count as running
+    # here too (a few milliseconds run before such a hold would otherwise
+    # make a synchronize rate of hundreds a second, and DUTY mode)
+    alone_held: frozenset = frozenset()
     probe_s: float = 0.0    # host time the launch probe adds to each launch (measured at start)
     # keys whose device another group launched on lately: nothing is given
     # back there for being held (it would be the neighbour's time)
@@ -380,7 +387,8 @@ class DutyPacer:
             if u.consumed != k.consumed or u.syncs != k.syncs or u.waiting > 0:
                 k.last_active = now
             held = key[0] in obs.held
-            counts_held = k.mode is Mode.DUTY or (now >= k.stay_until and key not in obs.turns)
+            counts_held = k.mode is Mode.DUTY or (now >= k.stay_until and key not in obs.turns
+                                                  and key not in obs.alone_held)
             if held and obs.held[key[0]] != k.hold_seen:
                 k.hold_seen = obs.held[key[0]]
                 self._held_before(k, k.hold_seen, counts_held)

@@ -459,7 +459,7 @@ def test_the_rate_counts_running_time_so_a_held_group_stays_paced():
 
 
 def drive_under_budget(p, seconds, sync_due, budget_run=0.015, budget_cycle=0.1, cap=50.0,
-                       turns=False):
+                       turns=False, alone_held=False):
     """A group the launch budget holds (BUDGET mode: `budget_run` of every
     `budget_cycle` seconds running) and the pacer holds when it asks (DUTY
     mode). `sync_due(now, ran)` says whether a synchronize returns in this
@@ -487,6 +487,8 @@ def drive_under_budget(p, seconds, sync_due, budget_run=0.015, budget_cycle=0.1,
         o = obs(now, consumed, syncs, cap=cap, held_since=held_since)
         if turns:
             o = dataclasses.replace(o, turns=frozenset({KEY}))
+        if alone_held and budget_held:
+            o = dataclasses.replace(o, alone_held=frozenset({KEY}))
         d = p.step(o)
         changes += [(now, m) for key, m in d.mode_changes if key == KEY]
         if since is not None and KEY[0] in d.release:
@@ -535,6 +537,17 @@ def test_the_time_slices_of_groups_taking_turns_count_as_running():
     changes, in_duty = drive_under_budget(DutyPacer(), 20.0, lambda now, ran, last: True,
                                           turns=True)
     assert changes == [] and in_duty == 0.0
+
+
+@pytest.mark.parametrize("alone_held", [True, False], ids=["another-learns", "its-budget"])
+def test_a_group_held_while_another_learns_alone_is_not_paced_by_time(alone_held):
+    # Held from its start while another group learns its rate alone (at
+    # most 2 s), a loop let run a few ms synchronizes a handful of times:
+    # over so little running that is hundreds a second, yet those holds are
+    # not its pacing. Held so by its own budget, the same loop is paced by time.
+    changes, _ = drive_under_budget(DutyPacer(), 2.0, lambda now, ran, last: True,
+                                    budget_run=0.01, budget_cycle=0.25, alone_held=alone_held)
+    assert (changes == []) is alone_held, changes
 
 
 def test_a_hold_it_did_not_ask_for_is_not_its_to_end():
