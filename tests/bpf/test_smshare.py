@@ -141,8 +141,8 @@ def test_on_a_gpu_that_loses_work_when_shared_two_groups_take_turns(tmp_path, si
         rates = [e["data"]["full_rate"] for e in events if "full_rate" in e["data"]]
         assert len(rates) == 2, said
         if alone:
-            # Each learned alone, once (a group whose first launch comes while the
-            # other learns is held from then on, and that is said again).
+            # Each learned alone (a group whose first launch comes while the
+            # other learns is held from then on, which is said again).
             learners = [e["data"]["group"] for e in events if e["what"] == "alone_learning"]
             assert set(learners) == set(names.values()), said
             done = [e["data"] for e in events if e["what"] == "alone_done"]
