@@ -182,7 +182,11 @@ def test_sm_cap_throttles_a_container(agent, fakecuda, images, own_lib, workdir)
             return None if int(agent.snapshot()["counters"].get("launch_probes", 0)) > 0 \
                 else "no launch probe yet"
         wait_for(probes, 10, what="launch probes for the capped container")
-        run = Sampled(w.proc, "launch 800000", watch=(w.pid,))
+        # Launches for a set time, not a set count: a count takes as long as
+        # the cap and the host's load make it; 12 s is long enough for the
+        # budget to learn and hold it. A synchronize every 2 s: it stays with
+        # the launch budget.
+        run = Sampled(w.proc, "bench launch 1 12 0 2000", watch=(w.pid,))
         samples = run.sample_until_done()
         assert run.reply.get("rc") == "0", run.reply
         assert any(s[1] == "T" for s in samples), "the capped container was never stopped"
