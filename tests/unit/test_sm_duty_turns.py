@@ -1,6 +1,7 @@
 """Duty pacing of several groups on one device: their turns do not overlap."""
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from hami_bpf.sm import duty
@@ -11,15 +12,21 @@ DT = 0.002
 
 
 def simulate(caps: dict[tuple[int, int], float], seconds: float, idle: set[int] = frozenset(),
-             waited: float = 0.9):
-    """Groups that are always active and stop at once when asked, spending
-    `waited` of their running time inside synchronize calls (0: their
-    launching thread sets their pace); returns (running share per group,
-    seconds two groups of one device ran at once, longest hold)."""
+             waited: float | dict = 0.9, step_s: dict | None = None):
+    """Groups that are always active, spending `waited` of their running
+    time inside synchronize calls (0: their launching thread sets their
+    pace; a dict: per key). Without `step_s` each stops at once when asked;
+    with it, a key synchronizes every step_s[key] seconds of running and
+    stops only at such a return (or, asked to stop at a launch, at once).
+    Returns (running share per group, seconds two groups of one device ran
+    at once, longest hold)."""
     p = DutyPacer()
     sync_s = {k: 0.0 for k in caps}
     t = 0.0
     c = {k: 0 for k in caps}
+    syncs = {k: 0 for k in caps}
+    into_step = {k: 0.0 for k in caps}
+    asked: dict[tuple[int, int], Ask] = {}
     held: dict[int, float] = {}
     ran = {k: 0.0 for k in caps}
     overlap = 0.0
@@ -30,18 +37,29 @@ def simulate(caps: dict[tuple[int, int], float], seconds: float, idle: set[int] 
         for k in running:
             c[k] += 1
             ran[k] += DT
-            sync_s[k] += DT * waited
+            sync_s[k] += DT * (waited[k] if isinstance(waited, dict) else waited)
+            if step_s is None:
+                syncs[k] = c[k]
+                continue
+            into_step[k] += DT
+            returned = into_step[k] >= step_s[k] - 1e-9
+            if returned:
+                into_step[k] = 0.0
+                syncs[k] += 1
+            if asked.get(k) is Ask.LAUNCH or asked.get(k) is Ask.SYNC and returned:
+                held[k[0]] = t
         if len({k[1] for k in running}) < len(running):
             overlap += DT
         # as the controller says it: a device another group launched on lately
         shared = frozenset(k for k in caps if any(o[1] == k[1] and o != k and o[0] not in idle
                                                   for o in caps))
-        d = p.step(Observation(t, caps, {k: Use(c[k], c[k], sync_s=sync_s[k]) for k in caps},
-                               dict(held), shared=shared))
+        d = p.step(Observation(t, caps, {k: Use(c[k], syncs[k], launches=c[k], sync_s=sync_s[k])
+                                         for k in caps}, dict(held), shared=shared))
         for g in d.release:
             longest = max(longest, t - held.pop(g))
         for k, kd in d.keys.items():
-            if kd.ask is not Ask.NONE and k[0] not in held:
+            asked[k] = kd.ask
+            if step_s is None and kd.ask is not Ask.NONE and k[0] not in held:
                 held[k[0]] = t
     return {k: 100 * v / t for k, v in ran.items()}, overlap, longest
 
@@ -68,6 +86,21 @@ def test_two_launch_bound_groups_30_70_on_one_device_are_given_nothing_back():
     share, overlap, longest = simulate({(1, 0): 30, (2, 0): 70}, 20, waited=0.0)
     assert abs(share[(1, 0)] - 30) <= 3 and abs(share[(2, 0)] - 70) <= 3, share
     assert duty.MAX_HOLD_S < longest <= 2 * duty.HOST_QUANTUM_MAX_S + 2 * DT, longest
+
+
+@pytest.mark.parametrize("cnn_cap,decode_cap", [(30, 70), (50, 50)])
+def test_a_training_step_and_a_decode_loop_take_turns_at_their_own_synchronizes(cnn_cap, decode_cap):
+    # A CNN training step (30 ms, a fifth of it waiting in its .item()) and
+    # a launch-bound decode loop (a token every 10 ms), each stopping only
+    # when it next synchronizes: their turns still do not overlap past the
+    # first second, and each runs its cap's share.
+    cnn, decode = (1, 0), (2, 0)
+    share, overlap, longest = simulate({cnn: cnn_cap, decode: decode_cap}, 20,
+                                       waited={cnn: 0.2, decode: 0.0},
+                                       step_s={cnn: 0.03, decode: 0.01})
+    assert abs(share[cnn] - cnn_cap) <= 3 and abs(share[decode] - decode_cap) <= 3, share
+    assert overlap <= duty.SYNC_WINDOW_S + 0.2, overlap
+    assert longest <= 2 * duty.HOST_QUANTUM_MAX_S + 2 * DT, longest
 
 
 def test_a_launch_bound_group_alone_on_its_device_is_given_back_its_stop_cost():
