@@ -9,6 +9,10 @@ stretches just before and after it, so a host-bound loop whose own speed
 drifts from one process to the next (a Python decode loop on this VM: 66 and
 95 tokens/s in two processes minutes apart) is measured against itself.
 
+A workload whose lines carry a phase (`phased`: train and eval) is compared
+phase by phase: each phase's capped rate against the free stretches' rate in
+that phase, weighted by the capped stretch's time in it.
+
 Prints one JSON line per capped stretch and a markdown table at the end:
   {"w", "cap", "rate", "ref_before", "ref_after", "pct", "within5", "series"}
 """
@@ -64,17 +68,48 @@ def reader(p: subprocess.Popen, q: queue.Queue) -> None:
     q.put((time.monotonic(), None))
 
 
-def mean_rate(lines: list, start: float, end: float) -> tuple[float | None, list]:
-    """Units per second over the workload's intervals that lie in [start, end]."""
+def mean_rate(lines: list, start: float, end: float, phase: str | None = None) -> tuple[float | None, list]:
+    """Units per second over the workload's intervals that lie in [start, end]
+    (only those of `phase`, where given)."""
     n = t = 0.0
     series = []
     for arrived, rec in lines:
         s = arrived - rec["dt"]
-        if s >= start and arrived <= end:
+        if s >= start and arrived <= end and (phase is None or rec.get("phase") == phase):
             n += rec["n"]
             t += rec["dt"]
             series.append(round(rec["rate"], 2))
     return (n / t if t > 0 else None), series
+
+
+def phase_times(lines: list, start: float, end: float) -> dict:
+    """Seconds of intervals in [start, end] per phase (a workload whose lines
+    carry "phase": train and eval steps differ in rate, and a free stretch
+    holds a different mix of them each time)."""
+    out: dict = {}
+    for arrived, rec in lines:
+        if "phase" in rec and arrived - rec["dt"] >= start and arrived <= end:
+            out[rec["phase"]] = out.get(rec["phase"], 0.0) + rec["dt"]
+    return out
+
+
+def of_free(lines: list, free: list, start: float, end: float) -> float | None:
+    """The stretch [start, end]'s rate against the free stretches `free`
+    ([(start, end)]): per phase where the lines have phases (each phase's
+    rate against the free stretches' rate in that phase, weighted by the
+    stretch's time in it), else overall."""
+    def ratio(phase=None):
+        rate = mean_rate(lines, start, end, phase)[0]
+        refs = [r for r in (mean_rate(lines, a, b, phase)[0] for a, b in free) if r]
+        return rate / (sum(refs) / len(refs)) if rate and refs else None
+    times = phase_times(lines, start, end)
+    if not times:
+        r = ratio()
+        return None if r is None else 100 * r
+    parts = [(ratio(ph), secs) for ph, secs in times.items()]
+    parts = [(r, secs) for r, secs in parts if r is not None]
+    total = sum(secs for _r, secs in parts)
+    return 100 * sum(r * secs for r, secs in parts) / total if total else None
 
 
 def run_one(a, w: str) -> list[dict]:
@@ -159,7 +194,8 @@ def run_one(a, w: str) -> list[dict]:
         rate, series = mean_rate(lines, s + a.settle, e)
         refs = [r for r in (before, after) if r]
         ref = sum(refs) / len(refs) if refs else None
-        pct = 100 * rate / ref if rate and ref else None
+        free = [(spans[j][0] + 1.0, spans[j][2]) for j in (i - 1, i + 1) if 0 <= j < len(spans)]
+        pct = of_free(lines, free, s + a.settle, e)
         first, _ = mean_rate(lines, s, s + a.settle)
         r = {"w": w, "cap": cap, "rate": rate and round(rate, 3), "ref_before": before and round(before, 3),
              "ref_after": after and round(after, 3), "pct": pct and round(pct, 1),
