@@ -48,7 +48,7 @@ struct key_t { u64 ip; u32 tid; u32 pad; };
 struct val_t { u64 n; u64 ns; };
 struct at_t { u64 ip; u64 ts; };
 BPF_HASH(counts, struct key_t, struct val_t, 65536);
-BPF_HASH(at, u64, struct at_t, 65536);     /* (tid << 8 | depth 0): the call a thread is in */
+BPF_HASH(at, u64, struct at_t, 65536);     /* pid_tgid -> the call that thread is in */
 int enter(struct pt_regs *ctx) {
     u64 id = bpf_get_current_pid_tgid();
     struct at_t a = { .ip = PT_REGS_IP(ctx), .ts = bpf_ktime_get_ns() };
