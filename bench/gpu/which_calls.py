@@ -21,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 from bcc import BPF  # noqa: E402
 
-from hami_bpf import libcuda  # noqa: E402
+from hami_bpf import enforce, libcuda  # noqa: E402
 
 CHILD = r'''
 import torch, time, sys
@@ -73,13 +73,13 @@ int leave(struct pt_regs *ctx) {
 '''
 
 
-def lib_base(pid: int, lib: str) -> int | None:
-    for line in open(f"/proc/{pid}/maps"):
-        parts = line.split()
-        if (len(parts) >= 6 and "x" in parts[1]
-                and os.path.realpath(parts[5]) == os.path.realpath(lib)):
-            return int(parts[0].split("-")[0], 16) - int(parts[2], 16)
-    return None
+def lib_base(pid: int, lib: str, offs: dict) -> int | None:
+    """Where `lib` is loaded in `pid`: the address of file offset 0 of its
+    text, from where one of its symbols (`offs`: name -> file offset) is
+    mapped (hami_bpf.enforce.entry_address)."""
+    off = next(iter(offs.values()), None)
+    addr = None if off is None else enforce.entry_address(pid, lib, off)
+    return None if addr is None else addr - off
 
 
 def main():
@@ -107,7 +107,7 @@ def main():
         t0 = time.monotonic()
         for line in child.stdout:
             if base is None:
-                base = lib_base(child.pid, lib)
+                base = lib_base(child.pid, lib, offs)
             if '"summary"' in line:
                 print(line.strip(), flush=True)
         child.wait()
@@ -117,7 +117,7 @@ def main():
                                  text=True)
         for _ in range(4):
             print(child.stdout.readline().strip(), flush=True)
-        base = lib_base(child.pid, lib)
+        base = lib_base(child.pid, lib, offs)
         wall = None
     by_off = {o: n for n, o in offs.items()}
     rows = sorted(((by_off.get(k.ip - (base or 0), hex(k.ip)), k.tid, v.n, v.ns)
