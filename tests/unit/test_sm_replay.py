@@ -11,8 +11,9 @@ when it synchronized at PACED_HZ or more over its whole length, and to stay
 with the launch budget otherwise. A "loop_budget" recording is paced by time
 while it sets up (its compilation synchronizes) and must be left to the
 launch budget over its timed loop (JAX: block_until_ready() waits for a host
-function's callback, which no probe sees). For every workload the fail-open rule holds: never more than 5 s
-below cap - 10 points, and no hold longer than its bound (HOLD_BOUND_S).
+function's callback, which no probe sees). For every workload the fail-open
+rule holds: never more than 5 s below cap - 10 points, and no hold longer
+than its bound (HOLD_BOUND_S).
 
 A recording with rate lines (Recording.loop_start) covers the whole process:
 imports, set-up and warm-up, bound by the host, where a cap rightly costs
