@@ -14,7 +14,12 @@ phase by phase: each phase's capped rate against the free stretches' rate in
 that phase, weighted by the capped stretch's time in it.
 
 Prints one JSON line per capped stretch and a markdown table at the end:
-  {"w", "cap", "rate", "ref_before", "ref_after", "pct", "within5", "series"}
+  {"w", "cap", "rate", "ref_before", "ref_after", "pct", "within5", "cpu",
+   "cpu_free", "series"}
+where "cpu" (and "cpu_free", for the free stretches either side) says how
+the workload's busiest thread used its CPU per second it ran, and what the
+daemon used (cpu_use): a loop that runs slower when held either waits for a
+CPU then, or does less on one.
 """
 from __future__ import annotations
 
@@ -49,6 +54,56 @@ def held_share(samples: list, start: float, end: float) -> float | None:
         return None
     (t0, v0), (t1, v1) = inside[0], inside[-1]
     return round((v1 - v0) / 1000 / (t1 - t0), 3)
+
+
+def threads(pid: int) -> dict:
+    """Per thread of `pid`: (ns on a CPU, ns waiting for one, involuntary
+    switches, the CPU it last ran on, its state), from /proc (schedstat, stat,
+    status). A thread that ended meanwhile is left out."""
+    out = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        base = f"/proc/{pid}/task/{tid}"
+        try:
+            with open(base + "/schedstat") as f:
+                run, wait, _n = (int(x) for x in f.read().split())
+            with open(base + "/stat") as f:
+                st = f.read().rsplit(")", 1)[1].split()
+            with open(base + "/status") as f:
+                inv = next(int(ln.split()[1]) for ln in f if ln.startswith("nonvoluntary_ctxt"))
+        except (OSError, ValueError, StopIteration):
+            continue
+        out[int(tid)] = (run, wait, inv, int(st[36]), st[0])
+    return out
+
+
+def cpu_use(cpu: list, start: float, end: float, held: float | None) -> dict | None:
+    """Over [start, end] from `cpu` samples (t, workload threads, daemon
+    threads): the workload's busiest thread's time on a CPU and waiting for
+    one, per second it ran (wall time less time held); its involuntary
+    switches per such second; the daemon's CPU per wall second; and the share
+    of samples in which a running daemon thread sat on that thread's CPU."""
+    inside = [c for c in cpu if start <= c[0] <= end]
+    if len(inside) < 2:
+        return None
+    (t0, w0, d0), (t1, w1, d1) = inside[0], inside[-1]
+    ran_s = (t1 - t0) * (1.0 - (held or 0.0))
+    if ran_s <= 0:
+        return None
+    busiest = max((tid for tid in w1 if tid in w0), key=lambda tid: w1[tid][0] - w0[tid][0], default=None)
+    if busiest is None:
+        return None
+    run, wait, inv = (w1[busiest][i] - w0[busiest][i] for i in range(3))
+    daemon = sum(d1[t][0] - d0[t][0] for t in d1 if t in d0)
+    same = sum(1 for _t, w, d in inside if busiest in w and any(
+        v[4] == "R" and v[3] == w[busiest][3] for v in d.values()))
+    return {"on_cpu": round(run / 1e9 / ran_s, 3), "rq_wait": round(wait / 1e9 / ran_s, 3),
+            "preempted_per_s": round(inv / ran_s, 1),
+            "daemon_cpu": round(daemon / 1e9 / (t1 - t0), 3),
+            "daemon_same_cpu": round(same / len(inside), 3)}
 
 
 def write_policy(path: str, group: str, cap: int | None) -> None:
@@ -131,6 +186,7 @@ def run_one(a, w: str) -> list[dict]:
     threading.Thread(target=reader, args=(p, q), daemon=True).start()
     lines: list = []
     samples: list = []
+    cpu: list = []
     next_sample = 0.0
     edges: list[tuple[float, int | None]] = []
     deadline = time.monotonic() + a.setup_limit
@@ -158,6 +214,7 @@ def run_one(a, w: str) -> list[dict]:
             now = time.monotonic()
             if started is not None and now >= next_sample:
                 samples.append((now, held_ms()))
+                cpu.append((now, threads(p.pid), threads(a.daemon_pid)))
                 next_sample = now + 0.25
             if started is None and now > deadline:
                 print(json.dumps({"w": w, "error": "no timed loop before the set-up limit"}))
@@ -197,11 +254,13 @@ def run_one(a, w: str) -> list[dict]:
         free = [(spans[j][0] + 1.0, spans[j][2]) for j in (i - 1, i + 1) if 0 <= j < len(spans)]
         pct = of_free(lines, free, s + a.settle, e)
         first, _ = mean_rate(lines, s, s + a.settle)
+        held = held_share(samples, s + a.settle, e)
         r = {"w": w, "cap": cap, "rate": rate and round(rate, 3), "ref_before": before and round(before, 3),
              "ref_after": after and round(after, 3), "pct": pct and round(pct, 1),
              "within5": pct is not None and abs(pct - cap) <= 5,
              "first_s_pct": first and ref and round(100 * first / ref, 1),
-             "held": held_share(samples, s + a.settle, e), "series": series}
+             "held": held, "cpu": cpu_use(cpu, s + a.settle, e, held),
+             "cpu_free": [cpu_use(cpu, a0, b0, 0.0) for a0, b0 in free], "series": series}
         print(json.dumps(r), flush=True)
         out.append(r)
     return out
