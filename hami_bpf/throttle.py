@@ -74,7 +74,9 @@ from typing import NamedTuple
 
 LEARN_S = 1.0         # at least this long unthrottled
 LEARN_FROM = 0.4      # fraction of the learning window ignored (queue filling)
-LEARN_MAX_S = 3.0     # of launching without a synchronize: use the host-side rate
+LEARN_MAX_S = 1.5     # of launching without a synchronize: use the host-side rate (a
+                      # queue fills in ~1 s; JAX waits on a host callback no probe sees,
+                      # and would run unthrottled for as long as this)
 HOST_WINDOW_S = 1.0   # the host-side rate is measured over this long
 SUSTAINED = 0.8       # ... once the group launched in every tick of this part of it
 LEARN_IDLE_S = 0.5    # learning: this long with nothing launched or left to complete starts it over

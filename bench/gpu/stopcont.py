@@ -4,9 +4,11 @@
 hami-bpf holds a group by SIGSTOP and releases it by SIGCONT. This runs one
 workload of bench/gpu/workloads/ and drives the same signals from here on a
 plan of segments: `free:S` (never stopped), `dC:S` (duty: in every
---period, running C% of it, stopped the rest) and `capC:S` (the daemon caps
+--period, running C% of it, stopped the rest), `capC:S` (the daemon caps
 the workload's group at C%: its --policy file rewritten, then SIGHUP to
---daemon-pid), each S seconds. The process's stops are read from /proc every
+--daemon-pid) and `capCdD:S` (both: cap99d50 attaches the daemon's probes,
+which hold almost never at 99, while the script stops the workload), each S
+seconds. The process's stops are read from /proc every
 millisecond, whoever made them, and its units' times from the workload
 (BENCH_UNIT_TRACE), so each segment also says its stops per second, their
 and the slices' mean length, and its rate by time since the last resume. Per segment it
@@ -45,8 +47,9 @@ def parse_plan(text):
     out = []
     for item in text.split():
         name, _, secs = item.partition(":")
-        cap = int(name[3:]) if name.startswith("cap") else None
-        duty = 100 if name == "free" or cap else int(name.lstrip("d"))
+        capped, _, stops = name.partition("d")
+        cap = int(capped[3:]) if capped.startswith("cap") else None
+        duty = 100 if name == "free" or (cap and not stops) else int(stops)
         if not 0 < duty <= 100 or (cap is not None and not 0 < cap <= 100):
             raise SystemExit(f"plan item {item!r}: duty and cap must be 1..100")
         out.append((name, duty, cap, float(secs)))

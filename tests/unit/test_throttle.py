@@ -30,6 +30,31 @@ def test_learns_full_rate_then_caps_at_the_share():
     assert abs(b.rate - 30_000) / 30_000 < 0.06
 
 
+def test_a_loop_that_never_synchronizes_is_paced_from_its_launch_rate_early():
+    # JAX's timed loop waits on a host callback, which no probe sees: it runs
+    # unthrottled until its rate is learned.
+    early = Budget(cap=25)
+    run(early, lambda: 100_000, LEARN_MAX_S - 0.2)
+    assert early.learning
+    b = Budget(cap=25)
+    run(b, lambda: 100_000, 2.0)    # paced within 2 s of its first launch
+    assert not b.learning and not b.by_completion
+    assert abs(b.full_rate - 100_000) / 100_000 < 0.05
+
+
+def test_a_loop_that_has_synchronized_waits_for_its_next_synchronize():
+    b = Budget(cap=25)
+    tick(b, now=0.0, consumed=0)
+    t, consumed = 0.0, 0
+    while t < 2 * LEARN_MAX_S:
+        t += 0.05
+        consumed += 5_000
+        # one synchronize, early: its completions are the better measure
+        done = 5_000 if t >= 0.3 else None
+        tick(b, now=t, consumed=consumed, completed=done, completed_at=0.3 if done else None)
+    assert b.learning
+
+
 def test_open_loop_throughput_is_cap_times_full_rate():
     b = Budget(cap=50)
     run(b, lambda: 200_000, LEARN_MAX_S + 0.2)
