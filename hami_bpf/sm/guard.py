@@ -21,9 +21,10 @@ Against that target, for a group the budget held in the window:
   10^3-10^4, and x8 a window took 8 s to undo that on the H200);
 - under target - TRIM_PTS: raised by a small step (sqrt of the same ratio,
   at most x TRIM_MAX);
-- over the cap itself + TRIM_PTS, with no other group active on the device:
-  lowered, by cap / utilization (at most / LOWER_MAX): a phase whose blocks
-  cost more than the learned ones. Not against the target: the reference is
+- over the cap itself + TRIM_PTS, with no other group active on the device,
+  in any window but the first after the budget took hold (NVML lags, and
+  reads the group running free there): lowered, by cap / utilization (at
+  most / LOWER_MAX): a phase whose blocks cost more than the learned ones. Not against the target: the reference is
   read in whatever phase the budget learned in (a model's warm-up keeps the
   GPU a few percent busy), and a group using less of the device than its cap
   cannot be shown over it, so it is never lowered (fail open).
@@ -90,6 +91,10 @@ class _Window:
     util_sum: float = 0.0
     readings: int = 0
     shared: bool = False
+    # The first window after its budget took hold: NVML's readings in it
+    # (REF_LAG_S behind) are still of the group running free, which is no
+    # sign of being over its cap (a JAX loop learned at 25 read 48% busy)
+    first: bool = False
 
 
 class Guard:
@@ -138,7 +143,7 @@ class Guard:
         correction to apply to its rate at the end of a window, if any."""
         w = self._w.get(key)
         if w is None:
-            self._w[key] = _Window(start=now, last=now)
+            self._w[key] = _Window(start=now, last=now, first=True)
             return None
         dt = max(0.0, now - w.last)
         w.last = now
@@ -164,6 +169,6 @@ class Guard:
             return Correction(Reason.HELD_WHILE_IDLE, gain, u, t, cap, source)
         if u < t - TRIM_PTS:
             return Correction(Reason.UNDER_CAP, min(math.sqrt(ratio), TRIM_MAX), u, t, cap, source)
-        if u > cap + TRIM_PTS and not w.shared:
+        if u > cap + TRIM_PTS and not w.shared and not w.first:
             return Correction(Reason.OVER_CAP, max(cap / u, 1 / LOWER_MAX), u, t, cap, source)
         return None
