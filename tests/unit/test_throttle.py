@@ -210,6 +210,17 @@ def test_a_busy_device_learns_from_the_first_window(util):
     assert abs(b.full_rate - gpu) / gpu < 0.05, b.full_rate
 
 
+@pytest.mark.parametrize("cap", [25, 50, 75])
+def test_a_deep_launch_queue_that_is_never_synchronized_is_capped_by_its_launch_rate(cap):
+    # Learned after 1.5 s of launching: the second-deep queue filled long
+    # before, and the host launches at the GPU's pace from then on. The
+    # queue's second of work then drains at (100 - cap)% a second: at 75,
+    # 4.4 s (judged over the last 3 s of 12).
+    achieved, b = simulate_queued_gpu(cap, seconds=12.0, sync_every=1e9)
+    assert not b.by_completion and abs(b.full_rate - 1000.0) / 1000.0 < 0.05, b
+    assert abs(achieved * 100 - cap) <= 5, (achieved, b)
+
+
 def test_rare_synchronizes_are_waited_for():
     # A batch of large matmuls fills a 2 s launch queue, then one
     # synchronize: completions come every ~2 s, later than LEARN_MAX_S
