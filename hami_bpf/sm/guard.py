@@ -24,10 +24,11 @@ Against that target, for a group the budget held in the window:
 - over the cap itself + TRIM_PTS, with no other group active on the device,
   in any window but the first after the budget took hold (NVML lags, and
   reads the group running free there): lowered, by cap / utilization (at
-  most / LOWER_MAX): a phase whose blocks cost more than the learned ones. Not against the target: the reference is
-  read in whatever phase the budget learned in (a model's warm-up keeps the
-  GPU a few percent busy), and a group using less of the device than its cap
-  cannot be shown over it, so it is never lowered (fail open).
+  most / LOWER_MAX): a phase whose blocks cost more than the learned ones.
+  Not against the target: the reference is read in whatever phase the
+  budget learned in (a model's warm-up keeps the GPU a few percent busy),
+  and a group using less of the device than its cap cannot be shown over
+  it, so it is never lowered (fail open).
 
 Utilization is the device's: next to other groups a reading over the target
 says nothing about this group (no lowering then), a reading under it still
@@ -92,8 +93,8 @@ class _Window:
     readings: int = 0
     shared: bool = False
     # The first window after its budget took hold: NVML's readings in it
-    # (REF_LAG_S behind) are still of the group running free, which is no
-    # sign of being over its cap (a JAX loop learned at 25 read 48% busy)
+    # (REF_LAG_S behind) are still of the group running free, no sign of
+    # its being over its cap
     first: bool = False
 
 
