@@ -44,9 +44,9 @@ def test_over_the_cap_alone_is_lowered_but_not_next_to_others():
 
 
 def test_the_first_window_after_the_budget_took_hold_is_not_lowered():
-    # A JAX loop learned at 25 read 48% busy in its first window (NVML lags
-    # by a second: that was the loop running free) and was lowered by a
-    # fifth, landing at 20. Raising there stays: a starved group is no lag.
+    # NVML reads a second behind: a loop whose budget just took hold at 25
+    # reads as busy there as it ran free (48%). Raising there stays: a
+    # starved group is no lag.
     assert run_window(Guard(), cap=25, util=48.0) is None
     c = run_window(Guard(), cap=50, util=2.0)
     assert c is not None and c.reason is Reason.HELD_WHILE_IDLE
