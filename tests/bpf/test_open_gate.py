@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from hami_bpf.server import query
 from helpers import Daemon, converge, finish_daemon, gname, wait_for
 from test_namespaces import Contained, entry_byte, own_lib  # noqa: F401 - own_lib is a fixture
 
@@ -18,6 +19,11 @@ def daemon(fakecuda):
     finish_daemon(d)
 
 
+def attached(d: Daemon, pid: int) -> bool:
+    return any(e["kind"] == "probes" and e["what"] == "attached" and e["data"].get("pid") == pid
+               for e in query(d.socket, "events", since=0)["events"])
+
+
 def test_without_the_gate_a_private_copy_is_found_by_the_scan(daemon, fakecuda, own_lib):  # noqa: F811
     mech = daemon.snapshot()["mechanisms"]["private_libs"]
     assert mech.startswith("found by scanning /proc") and "--no-open-gate" in mech
@@ -25,6 +31,12 @@ def test_without_the_gate_a_private_copy_is_found_by_the_scan(daemon, fakecuda, 
         wait_for(lambda: None if entry_byte(c.pid, f"/proc/{c.pid}/root{fakecuda.libcuda}")
                  == 0xCC else "cuMemAlloc_v2 of the container's libcuda is not probed",
                  5, what="attach to the container's libcuda by the scan")
+        # The allocation probe is among the first attached; the daemon reads
+        # its events once the library's last probe is on (seconds, on a busy
+        # machine), which its "attached" event says.
+        wait_for(lambda: None if attached(daemon, c.pid)
+                 else "no probes/attached event for the container's process",
+                 10, what="the scan's attach to finish", deadlines=daemon.deadlines)
         c.alloc("alloc 2M", 0)
         converge(daemon, [c])
     assert daemon.snapshot()["counters"].get("lib_opens", 0) == 0
