@@ -412,6 +412,10 @@ class Daemon:
     def snapshot(self, timeout: float = 5) -> dict:
         return query(self.socket, "snapshot", timeout=self.deadlines.timeout(timeout))
 
+    def events(self) -> list[dict]:
+        """Every event the daemon still keeps, oldest first."""
+        return query(self.socket, "events", since=0)["events"]
+
     def cli_json(self, command: str, *args: str) -> dict:
         """`hami-bpf <command> --json --socket SOCK [args]` parsed."""
         r = subprocess.run([hami_bpf_bin(), command, "--json", "--socket", self.socket, *args],

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from hami_bpf.server import query
 from helpers import Daemon, converge, finish_daemon, gname, wait_for
 from test_namespaces import Contained, entry_byte, own_lib  # noqa: F401 - own_lib is a fixture
 
@@ -21,7 +20,7 @@ def daemon(fakecuda):
 
 def attached(d: Daemon, pid: int) -> bool:
     return any(e["kind"] == "probes" and e["what"] == "attached" and e["data"].get("pid") == pid
-               for e in query(d.socket, "events", since=0)["events"])
+               for e in d.events())
 
 
 def test_without_the_gate_a_private_copy_is_found_by_the_scan(daemon, fakecuda, own_lib):  # noqa: F811
