@@ -75,7 +75,8 @@ from stopcont import cpu_seconds, stopped     # this directory: the script's own
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WDIR = os.environ.get("SUITE_WORKLOAD_DIR") or os.path.join(HERE, "workloads")
-ALL = ["cnn_train", "llm_decode", "llm_prefill", "graph_replay", "jax_train", "triton_loop", "phased"]
+ALL = ["cnn_train", "llm_decode", "llm_prefill", "graph_replay", "jax_train", "triton_loop", "phased",
+       "compiled_train"]
 PY = sys.executable
 STOP_SAMPLE_S = 0.002     # how often a capped process's state is read
 DAEMON_PID = int(os.environ.get("DAEMON_PID") or 0) or None
