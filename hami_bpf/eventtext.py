@@ -178,6 +178,8 @@ TYPES: tuple[EventType, ...] = (
               "({sm_correction}, from {source})"),
     EventType(K.THROTTLE, "mode", ("group", "device", "sm_mode"),
               lambda d: f"group {d['group']!r} device {d['device']}: paced by " + (
+                  "time, held at its launches, beside a group paced by time"
+                  if d["sm_mode"] == "duty" and d.get("beside") else
                   "time, held at its synchronizes" if d["sm_mode"] == "duty"
                   else "its launch budget (it synchronizes rarely)")),
     EventType(K.THROTTLE, "slices", ("group", "device", "host_paced", "hold_ms"),

@@ -488,7 +488,7 @@ class SmController:
                 self.forget_budget(key)
                 self.turntable.forget(key)
             self._record("throttle", "mode", group=names.get(key[0], str(key[0])),
-                         device=key[1], sm_mode=mode.value)
+                         device=key[1], sm_mode=mode.value, beside=d.keys[key].beside)
         for key, host, quantum in d.slice_changes:
             self._counts[f"sm_slices_{'host' if host else 'gpu'}"] += 1
             self._record("throttle", "slices", group=names.get(key[0], str(key[0])),

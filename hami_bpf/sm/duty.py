@@ -103,6 +103,14 @@ decode loop loses changes from run to run on the H200 VM (0-23%).
 Groups that synchronize rarely (below PACED_HZ) are not paced here: their
 work sits in a launch queue that a hold does not drain, and the launch
 budget (hami_bpf.throttle) paces them. `mode()` says which one applies.
+The exception is a device where another capped group is paced here (it
+synchronizes at PACED_HZ or more, and was active within BESIDE_S): a group
+that synchronizes rarely is paced here too, beside it (KeyDecision.beside),
+and asked to stop at its next launch. A launch budget spreads its group's
+work over time, so beside a group that takes turns by time the two would
+time-slice the GPU for as long as both run; paced by time, the two take
+turns, and only what the rare synchronizer's launch queue holds when it
+stops (tens of milliseconds of a training step) runs into the other's turn.
 """
 from __future__ import annotations
 
@@ -135,6 +143,8 @@ GPU_PACED_SHARE = 0.6  # running time inside synchronize calls from which it is 
 LAUNCH_BOUND_SHARE = 0.05  # running time inside synchronize calls under which the GPU idles as it runs
 LAUNCH_SLACK_SHARE = 0.1   # ... and from which its launching thread has slack again
 HOST_STOP_SHARE = 0.15     # a launch-bound group's running time given back for what being held costs it
+BESIDE_S = 1.0         # a group paced here by its synchronizes, active this recently, paces
+                       # its device's groups that synchronize rarely here too
 DUE_EPS_S = 1e-6       # a debt or hold this close to its end has ended (a step at next_step
                        # lands within rounding of it, on either side)
 
@@ -189,6 +199,7 @@ class KeyDecision:
     host_paced: bool = False    # its launching thread sets its pace: held in longer slices
     quantum: float = QUANTUM_S  # the debt at which it is asked to stop (its hold's length)
     stop_share: float = 0.0     # its running time given back for what being held costs it (launch-bound)
+    beside: bool = False        # in DUTY mode only for a neighbour paced by its synchronizes
 
 
 @dataclass(frozen=True)
@@ -212,6 +223,8 @@ class _Key:
     syncs: int
     debt: float = 0.0
     mode: Mode = Mode.BUDGET
+    own: Mode = Mode.BUDGET     # the mode its own synchronize rate calls for
+    beside: bool = False        # in DUTY mode only for a neighbour's sake
     last_active: float = -1e9
     asked_since: float | None = None
     held_s: float = 0.0     # time counted held, in all
@@ -372,6 +385,13 @@ class DutyPacer:
         changes: list[tuple[tuple[int, int], Mode]] = []
         slices: list[tuple[tuple[int, int], bool, float]] = []
         given: list[tuple[tuple[int, int], float]] = []
+        # Devices where a group is paced here by its own synchronizes (as of
+        # the last step): key -> whether another such group is on its device.
+        pacers = [(key, k.last_active) for key, k in self._keys.items() if k.own is Mode.DUTY]
+
+        def beside(key: tuple[int, int]) -> bool:
+            return any(o[1] == key[1] and o != key and (now - seen <= BESIDE_S or o[0] in obs.held)
+                       for o, seen in pacers)
         for key, cap in obs.caps.items():
             u = obs.use.get(key, Use(0, 0))
             k = self._keys.get(key)
@@ -416,8 +436,9 @@ class DutyPacer:
             window = _window(k, now, u)
             k.probe_share = _probe_share(window, obs.probe_s)
             k.host_paced = _host_paced(k, window)
-            mode = (Mode.DUTY if rate >= PACED_HZ else
-                    Mode.BUDGET if rate < UNPACED_HZ else k.mode)
+            k.own = (Mode.DUTY if rate >= PACED_HZ else
+                     Mode.BUDGET if rate < UNPACED_HZ else k.own)
+            mode = Mode.DUTY if k.own is Mode.DUTY or beside(key) else Mode.BUDGET
             if window is not None and window[1] < LAUNCH_BOUND_SHARE:
                 k.launch_bound = True
             elif window is not None and window[1] >= LAUNCH_SLACK_SHARE:
@@ -428,7 +449,7 @@ class DutyPacer:
                 given.append((key, stop_share))
             k.stop_share = stop_share
             if mode != k.mode:
-                if mode is Mode.BUDGET:
+                if mode is Mode.BUDGET and not k.beside:
                     if now - k.since >= BUDGET_STAY_MAX_S:
                         k.returns = 0       # paced by time this long: a phase, not a see-saw
                     k.stay_until = now + min(BUDGET_STAY_S * 2 ** k.returns, BUDGET_STAY_MAX_S)
@@ -437,6 +458,7 @@ class DutyPacer:
                 k.debt = min(k.debt, 0.0)
                 k.asked_since = None
                 changes.append((key, mode))
+            k.beside = mode is Mode.DUTY and k.own is not Mode.DUTY
             ask = Ask.NONE
             quantum = self._quantum(k)
             said = k.host_paced and k.mode is Mode.DUTY and self.host_run_s > 0
@@ -446,11 +468,12 @@ class DutyPacer:
             if k.mode is Mode.DUTY and not held and k.debt >= quantum:
                 if k.asked_since is None:
                     k.asked_since = now
-                ask = Ask.LAUNCH if now - k.asked_since >= FORCE_AFTER_S else Ask.SYNC
+                # Paced beside another, it synchronizes rarely: no return to wait for.
+                ask = Ask.LAUNCH if k.beside or now - k.asked_since >= FORCE_AFTER_S else Ask.SYNC
             else:
                 k.asked_since = None
             decisions[key] = KeyDecision(k.mode, ask, k.debt, k.probe_share, k.host_paced, quantum,
-                                         k.stop_share)
+                                         k.stop_share, k.beside)
 
         self._asked = {key[0] for key, d in decisions.items() if d.ask is not Ask.NONE}
         # Devices where a paced group runs now: another paced group there

@@ -88,6 +88,27 @@ def test_a_newly_capped_group_learns_unthrottled_then_is_granted_at_its_cap():
     assert g.granted < a.consumed + UNLIMITED
 
 
+def test_a_group_that_never_synchronizes_is_paced_by_time_beside_one_that_is():
+    # Its launch budget would spread its work over the paced group's turns;
+    # paced by time beside it, it is stopped at its next launch instead.
+    c, gs = controller({"a": 50, "b": 50}), groups(a=1, b=2)
+    a, b = Load(1), Load(2)
+    t, said, grant = 100.0, [], None
+    for _ in range(300):
+        t += 0.01
+        a.run(t, cost=100, sync=True)
+        b.run(t, cost=100)
+        d = step(c, t, gs, [a, b])
+        said += [e for e in events(d, "mode") if e["group"] == "b"]
+        if d.grants[b.key].hold_at_sync:
+            grant = d.grants[b.key]
+            break
+    assert said == [dict(group="b", device=DEV, sm_mode=duty.Mode.DUTY.value, beside=True)]
+    assert b.key not in c.budgets
+    assert grant is not None and grant.phase is Phase.DUTY
+    assert grant.granted == b.consumed     # asked to stop at its next launch
+
+
 def test_a_group_that_synchronizes_often_is_paced_by_time_held_at_sync_and_released():
     c, gs, a = controller({"a": 30}), groups(a=1), Load(1)
     t, asked, said = 100.0, None, []
@@ -102,7 +123,7 @@ def test_a_group_that_synchronizes_often_is_paced_by_time_held_at_sync_and_relea
             asked = d
             break
     assert asked is not None and modes["sm_mode_duty"] == 1
-    assert said == [dict(group="a", device=DEV, sm_mode=duty.Mode.DUTY.value)]
+    assert said == [dict(group="a", device=DEV, sm_mode=duty.Mode.DUTY.value, beside=False)]
     assert asked.grants[a.key].phase is Phase.DUTY
     assert asked.next_step is not None
     # Paced by time, not by budget: no device reading is wanted for it.

@@ -1,6 +1,8 @@
 """Duty pacing of several groups on one device: their turns do not overlap."""
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -101,6 +103,63 @@ def test_a_training_step_and_a_decode_loop_take_turns_at_their_own_synchronizes(
     assert abs(share[cnn] - cnn_cap) <= 3 and abs(share[decode] - decode_cap) <= 3, share
     assert overlap <= duty.SYNC_WINDOW_S + 0.2, overlap
     assert longest <= 2 * duty.HOST_QUANTUM_MAX_S + 2 * DT, longest
+
+
+@pytest.mark.parametrize("train_cap,prefill_cap", [(30, 70), (50, 50), (70, 30)])
+def test_a_loop_that_never_synchronizes_takes_turns_beside_one_paced_by_time(train_cap, prefill_cap):
+    # A training loop that never reads its loss back (alone, its launch
+    # budget paces it) next to an LLM prefill that synchronizes every 30 ms:
+    # beside a group paced by time it is paced by time too, stopped at its
+    # launches, and the two take turns at their caps instead of time-slicing.
+    train, prefill = (1, 0), (2, 0)
+    share, overlap, longest = simulate({train: train_cap, prefill: prefill_cap}, 20,
+                                       waited={train: 0.0, prefill: 0.2},
+                                       step_s={train: math.inf, prefill: 0.03})
+    assert abs(share[train] - train_cap) <= 3 and abs(share[prefill] - prefill_cap) <= 3, share
+    # Side by side only until the prefill's rate is known, and one step after.
+    assert overlap <= duty.SYNC_WINDOW_S + 0.2, overlap
+    assert longest <= 2 * duty.HOST_QUANTUM_MAX_S + 2 * DT, longest
+
+
+def test_a_loop_that_never_synchronizes_is_left_to_its_budget_without_a_paced_neighbour():
+    # On another device than the paced group, and once that group is gone,
+    # it is the launch budget's again (its queue is what a hold cannot drain).
+    p = DutyPacer()
+    train, decode = (1, 0), (2, 1)
+    t, launches, syncs = 0.0, 0, 0
+    for _ in range(1000):
+        t += 0.005
+        launches += 10
+        syncs += 1
+        d = p.step(Observation(t, {train: 50, decode: 50},
+                               {train: Use(launches, 0, launches=launches),
+                                decode: Use(launches, syncs, launches=launches, sync_s=0.0)}, {}))
+    assert d.keys[decode].mode is duty.Mode.DUTY
+    assert d.keys[train].mode is duty.Mode.BUDGET and not d.keys[train].beside
+    # The same two on one device: paced by time beside it, asked to stop at a launch.
+    p = DutyPacer()
+    train, decode = (1, 0), (2, 0)
+    for _ in range(1000):
+        t += 0.005
+        launches += 10
+        syncs += 1
+        d = p.step(Observation(t, {train: 50, decode: 50},
+                               {train: Use(launches, 0, launches=launches),
+                                decode: Use(launches, syncs, launches=launches, sync_s=0.0)}, {}))
+        assert d.keys[train].ask is not Ask.SYNC
+    assert d.keys[train].mode is duty.Mode.DUTY and d.keys[train].beside
+    # The paced group goes idle: within BESIDE_S and its rate's window the
+    # loop is the budget's again, at once and for good (no see-saw stay).
+    changes, last = [], launches
+    for _ in range(int((duty.BESIDE_S + duty.RATE_WALL_S) / 0.005)):
+        t += 0.005
+        launches += 10
+        d = p.step(Observation(t, {train: 50, decode: 50},
+                               {train: Use(launches, 0, launches=launches),
+                                decode: Use(last, syncs, launches=last)}, {}))
+        changes += [c for c in d.mode_changes if c[0] == train]
+    assert changes == [(train, duty.Mode.BUDGET)], changes
+    assert not d.keys[train].beside
 
 
 def test_a_launch_bound_group_alone_on_its_device_is_given_back_its_stop_cost():
