@@ -439,12 +439,18 @@ class DutyPacer:
             k.own = (Mode.DUTY if rate >= PACED_HZ else
                      Mode.BUDGET if rate < UNPACED_HZ else k.own)
             mode = Mode.DUTY if k.own is Mode.DUTY or beside(key) else Mode.BUDGET
+            by_neighbour = mode is Mode.DUTY and k.own is not Mode.DUTY
+            if by_neighbour:
+                # Its waits are inside its launches (a full queue), which no
+                # probe times: whether the probes slow it is unknown, and the
+                # time would be its neighbour's.
+                k.probe_share = 0.0
             if window is not None and window[1] < LAUNCH_BOUND_SHARE:
                 k.launch_bound = True
             elif window is not None and window[1] >= LAUNCH_SLACK_SHARE:
                 k.launch_bound = False
             stop_share = (self.host_stop_share if k.launch_bound and mode is Mode.DUTY
-                          and key not in obs.shared else 0.0)
+                          and key not in obs.shared and not by_neighbour else 0.0)
             if stop_share != k.stop_share:
                 given.append((key, stop_share))
             k.stop_share = stop_share
@@ -458,7 +464,9 @@ class DutyPacer:
                 k.debt = min(k.debt, 0.0)
                 k.asked_since = None
                 changes.append((key, mode))
-            k.beside = mode is Mode.DUTY and k.own is not Mode.DUTY
+            elif mode is Mode.DUTY and by_neighbour != k.beside:
+                changes.append((key, mode))     # paced by time still, for another reason
+            k.beside = by_neighbour
             ask = Ask.NONE
             quantum = self._quantum(k)
             said = k.host_paced and k.mode is Mode.DUTY and self.host_run_s > 0

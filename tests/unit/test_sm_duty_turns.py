@@ -136,7 +136,9 @@ def test_a_loop_that_never_synchronizes_is_left_to_its_budget_without_a_paced_ne
                                 decode: Use(launches, syncs, launches=launches, sync_s=0.0)}, {}))
     assert d.keys[decode].mode is duty.Mode.DUTY
     assert d.keys[train].mode is duty.Mode.BUDGET and not d.keys[train].beside
-    # The same two on one device: paced by time beside it, asked to stop at a launch.
+    # The same two on one device: paced by time beside it, asked to stop at
+    # a launch, and given no probe or stop time (its waits are in its
+    # launches; the time would be the neighbour's).
     p = DutyPacer()
     train, decode = (1, 0), (2, 0)
     for _ in range(1000):
@@ -145,9 +147,12 @@ def test_a_loop_that_never_synchronizes_is_left_to_its_budget_without_a_paced_ne
         syncs += 1
         d = p.step(Observation(t, {train: 50, decode: 50},
                                {train: Use(launches, 0, launches=launches),
-                                decode: Use(launches, syncs, launches=launches, sync_s=0.0)}, {}))
+                                decode: Use(launches, syncs, launches=launches, sync_s=0.0)}, {},
+                               probe_s=2e-6))
         assert d.keys[train].ask is not Ask.SYNC
     assert d.keys[train].mode is duty.Mode.DUTY and d.keys[train].beside
+    assert d.keys[train].probe_share == 0.0 < d.keys[decode].probe_share
+    assert d.keys[train].stop_share == 0.0
     # The paced group goes idle: within BESIDE_S and its rate's window the
     # loop is the budget's again, at once and for good (no see-saw stay).
     changes, last = [], launches
@@ -160,6 +165,26 @@ def test_a_loop_that_never_synchronizes_is_left_to_its_budget_without_a_paced_ne
         changes += [c for c in d.mode_changes if c[0] == train]
     assert changes == [(train, duty.Mode.BUDGET)], changes
     assert not d.keys[train].beside
+
+
+def test_a_paced_loop_that_stops_synchronizing_beside_another_says_why_it_is_still_paced():
+    # A training loop that read its loss at first (paced by its own
+    # synchronizes) and then stops reading it, next to a decode loop: it
+    # stays paced by time, now beside the decode loop, and says so.
+    p = DutyPacer()
+    train, decode = (1, 0), (2, 0)
+    t, launches, syncs, train_syncs = 0.0, 0, 0, 0
+    said = []
+    for i in range(2000):
+        t += 0.005
+        launches += 10
+        syncs += 1
+        train_syncs += 1 if i < 600 else 0
+        d = p.step(Observation(t, {train: 50, decode: 50},
+                               {train: Use(launches, train_syncs, launches=launches),
+                                decode: Use(launches, syncs, launches=launches)}, {}))
+        said += [(c[1], d.keys[train].beside) for c in d.mode_changes if c[0] == train]
+    assert said == [(duty.Mode.DUTY, False), (duty.Mode.DUTY, True)], said
 
 
 def test_a_launch_bound_group_alone_on_its_device_is_given_back_its_stop_cost():
