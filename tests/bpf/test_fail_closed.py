@@ -12,10 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from helpers import Daemon, Tracked, converge, finish_daemon, gname, wait_for, wait_registered, \
+from helpers import Daemon, Tracked, converge, finish_daemon, gname, wait_registered, \
     write_policy
 from hami_bpf.fakecuda import build
-from hami_bpf.server import query
 
 pytestmark = pytest.mark.bpf
 
@@ -77,10 +76,6 @@ def test_exec_gives_back_what_the_old_image_held(daemon, fakecuda, how):
         assert _rec(snap, a.pid)["group"] == _rec(snap, b.pid)["group"]
 
 
-def events(d: Daemon) -> list[dict]:
-    return query(d.socket, "events", since=0)["events"]
-
-
 def test_a_full_state_directory_still_denies(fakecuda, policy_file, tmp_path):
     """Every write of the stopped-process record fails with ENOSPC (a full
     tmpfs as the state directory): registration and denials go on, the
@@ -109,7 +104,7 @@ def test_a_full_state_directory_still_denies(fakecuda, policy_file, tmp_path):
                 for _ in range(3):
                     assert t.alloc("alloc 1M", 0, expect_rc=None)[0] == OOM
                 converge(d, [t])
-            failed = [e for e in events(d) if e["data"].get("state_write_failed")]
+            failed = [e for e in d.events() if e["data"].get("state_write_failed")]
             assert len(failed) == 1, failed
             assert failed[0]["data"]["errno"] == errno.ENOSPC
             assert d.snapshot()["counters"].get("handler_errors", 0) == 0
@@ -207,53 +202,3 @@ def test_any_fatal_signal_shuts_down_cleanly(tmp_path, sig):
     finally:
         d.stop()
         d.cleanup()
-
-
-# -------------------------------------------------------- no daemon running
-
-def test_processes_a_killed_daemon_stopped_wait_for_the_next_one(fakecuda, policy_file, tmp_path):
-    """Two processes are stopped at a denied allocation and the daemon dies
-    (SIGKILL) before answering: they stay stopped while no daemon runs (the
-    documented choice: a denial is never turned into a success), and the
-    next daemon answers both with CUDA_ERROR_OUT_OF_MEMORY."""
-    import signal
-    import time
-
-    from helpers import proc_state
-    fakecuda = build(tmp_path / "lib")    # its own library: the module's daemon holds the shared one
-    workdir = tmp_path / "w"
-    workdir.mkdir()
-    d = Daemon(fakecuda, policy=policy_file, workdir=workdir).start()
-    procs = []
-    try:
-        for _ in range(2):
-            procs.append(Tracked.spawn(fakecuda, gname("lim")))
-        wait_registered(d, procs)
-        for t in procs:
-            t.alloc("alloc 1G", 0)
-        # The daemon cannot answer from now on, but its heartbeat is fresh
-        # for up to 2 s: the probes still stop a denied call.
-        d.proc.send_signal(signal.SIGSTOP)
-        for t in procs:
-            t.proc.send("alloc 1M")
-        wait_for(lambda: [t.pid for t in procs if proc_state(t.pid) != "T"], 5,
-                 what="both stopped at the denied call")
-        d.proc.send_signal(signal.SIGKILL)
-        d.proc.wait(120)                   # the kernel detaches its probes first
-        time.sleep(1)                      # no daemon: still stopped
-        assert [proc_state(t.pid) for t in procs] == ["T", "T"]
-        d2 = Daemon(fakecuda, policy=policy_file, workdir=workdir).start()
-        try:
-            for t in procs:
-                assert int(t.proc.reply(timeout=20)["rc"]) == OOM
-                t.ok("pid")                # and it goes on
-        finally:
-            finish_daemon(d2)
-    finally:
-        for t in procs:
-            try:
-                os.kill(t.pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
-            t.close()
-        d.stop()

@@ -14,7 +14,7 @@ import uuid
 
 import pytest
 
-from helpers import (Daemon, query, Tracked, converge, finish_daemon, gname, wait_for, wait_registered,
+from helpers import (Daemon, Tracked, converge, finish_daemon, gname, wait_for, wait_registered,
                      write_policy)
 
 pytestmark = pytest.mark.bpf
@@ -176,7 +176,7 @@ def test_a_refusal_cut_short_is_still_charged(daemon, fakecuda):
         assert int(snap["counters"].get("denials_ignored", 0)) >= escaped
         if mech == "stop-rewrite":
             assert escaped > 0, "the helper never got a refused call through: the test proves nothing"
-            kinds = [e for e in query(daemon.socket, "events", since=0)["events"] if e["kind"] == "deny_ignored"
+            kinds = [e for e in daemon.events() if e["kind"] == "deny_ignored"
                      and e["data"].get("pid") == t.pid]
             assert len(kinds) == escaped and all(e["data"]["size"] == MiB for e in kinds)
         else:

@@ -19,7 +19,7 @@ import uuid
 import pytest
 
 from hami_bpf.fakecuda import CudaProc, build
-from hami_bpf.server import fetch_snapshot, query
+from hami_bpf.server import fetch_snapshot
 from hami_bpf.sm import duty
 from hami_bpf.throttle import LEARN_ALONE_S
 from helpers import Daemon, Sampled, Tracked, finish_daemon, gname, wait_for
@@ -100,7 +100,7 @@ def test_two_groups_30_70_each_get_their_share(tmp_path, sim):
                  for cap in (30, 70)}
         got = benches_together(procs, seconds=9, settle_ms=4000, join_s=120)
         print("shares", got)
-        learned = [e["message"] for e in query(d.socket, "events", since=0)["events"]
+        learned = [e["message"] for e in d.events()
                    if e["kind"] == "throttle"]
         assert len(got) == 2
         for cap, share in got.items():
@@ -133,7 +133,7 @@ def test_on_a_gpu_that_loses_work_when_shared_two_groups_take_turns(tmp_path, si
 
         got = benches_together(procs, seconds=16, settle_ms=11000, join_s=180, meanwhile=look)
         assert {gid for gid, devs in shown if devs == (0,)} >= set(names.values()), shown
-        events = [e for e in query(d.socket, "events", since=0)["events"] if e["kind"] == "throttle"]
+        events = [e for e in d.events() if e["kind"] == "throttle"]
         said = [e["message"] for e in events]
         print("shares", got, *said, sep="\n")
         assert any(e["what"] == "turns" and e["data"]["turns"]
@@ -190,7 +190,7 @@ def test_lending_low_priority_runs_free_until_high_priority_is_busy(tmp_path, si
         states = [s[0] for s in Sampled(low, "bench launch 1000 6 2000").sample_until_done()]
         busy.sample_until_done()
         assert "T" in states, f"never held while high priority was busy\n{d.log()[-2000:]}"
-        events = query(d.socket, "events", since=0)["events"]
+        events = d.events()
         assert any((e["kind"], e["what"]) == ("throttle", "lending") and e["data"]["lending"] is False
                    for e in events), [e["message"] for e in events]
     finally:
@@ -220,7 +220,7 @@ def test_a_group_arriving_next_to_a_throttled_one_learns_the_whole_device(tmp_pa
         finally:
             first.close()
             late.close()
-        events = [e for e in query(d.socket, "events", since=0)["events"] if e["kind"] == "throttle"]
+        events = [e for e in d.events() if e["kind"] == "throttle"]
         learned = [e["message"] for e in events]
         assert len(got) == 2
         assert abs(got["30"] - 30) <= TOLERANCE and abs(got["70"] - 70) <= TOLERANCE, \
@@ -254,7 +254,7 @@ def test_learning_applies_before_a_deep_queue_refills(tmp_path, sim):
             share = bench(p, seconds=5, settle_ms=2000)
         finally:
             p.close()
-        learned = [e["data"] for e in query(d.socket, "events", since=0)["events"]
+        learned = [e["data"] for e in d.events()
                    if (e["kind"], e["what"]) == ("throttle", "learned")]
         assert learned, d.log()[-2000:]
         assert learned[0]["queued"] <= 3 * 1000, learned[0]
@@ -281,7 +281,7 @@ def test_a_group_that_synchronizes_often_is_paced_by_time(tmp_path, sim, cap):
             share = 100.0 * float(r["overall"]) / FULL
         finally:
             p.close()
-        events = query(d.socket, "events", since=0)["events"]
+        events = d.events()
         modes = [e["data"].get("sm_mode") for e in events
                  if e.get("data", {}).get("group") == name and "sm_mode" in e.get("data", {})]
         counters = d.snapshot()["counters"]
