@@ -121,47 +121,52 @@ def test_a_loop_that_never_synchronizes_takes_turns_beside_one_paced_by_time(tra
     assert longest <= 2 * duty.HOST_QUANTUM_MAX_S + 2 * DT, longest
 
 
+class BesideLoad:
+    """A training loop and a decode loop capped at 50, stepped every 5 ms:
+    each launches every step; the decode loop synchronizes every step it
+    runs, the training loop only where told."""
+
+    def __init__(self, train: tuple[int, int], decode: tuple[int, int], probe_s: float = 0.0):
+        self.p, self.train, self.decode, self.probe_s = DutyPacer(), train, decode, probe_s
+        self.t, self.launches, self.syncs, self.train_syncs, self.decode_at = 0.0, 0, 0, 0, 0
+
+    def step(self, train_syncs: bool = False, decode_runs: bool = True) -> duty.Decision:
+        self.t += 0.005
+        self.launches += 10
+        self.train_syncs += train_syncs
+        if decode_runs:
+            self.syncs += 1
+            self.decode_at = self.launches
+        return self.p.step(Observation(self.t, {self.train: 50, self.decode: 50}, {
+            self.train: Use(self.launches, self.train_syncs, launches=self.launches),
+            self.decode: Use(self.decode_at, self.syncs, launches=self.decode_at)}, {},
+            probe_s=self.probe_s))
+
+
 def test_a_loop_that_never_synchronizes_is_left_to_its_budget_without_a_paced_neighbour():
     # On another device than the paced group, and once that group is gone,
     # it is the launch budget's again (its queue is what a hold cannot drain).
-    p = DutyPacer()
-    train, decode = (1, 0), (2, 1)
-    t, launches, syncs = 0.0, 0, 0
+    run = BesideLoad(train=(1, 0), decode=(2, 1))
     for _ in range(1000):
-        t += 0.005
-        launches += 10
-        syncs += 1
-        d = p.step(Observation(t, {train: 50, decode: 50},
-                               {train: Use(launches, 0, launches=launches),
-                                decode: Use(launches, syncs, launches=launches, sync_s=0.0)}, {}))
-    assert d.keys[decode].mode is duty.Mode.DUTY
-    assert d.keys[train].mode is duty.Mode.BUDGET and not d.keys[train].beside
+        d = run.step()
+    assert d.keys[run.decode].mode is duty.Mode.DUTY
+    assert d.keys[run.train].mode is duty.Mode.BUDGET and not d.keys[run.train].beside
     # The same two on one device: paced by time beside it, asked to stop at
     # a launch, and given no probe or stop time (its waits are in its
     # launches; the time would be the neighbour's).
-    p = DutyPacer()
-    train, decode = (1, 0), (2, 0)
+    run = BesideLoad(train=(1, 0), decode=(2, 0), probe_s=2e-6)
+    train = run.train
     for _ in range(1000):
-        t += 0.005
-        launches += 10
-        syncs += 1
-        d = p.step(Observation(t, {train: 50, decode: 50},
-                               {train: Use(launches, 0, launches=launches),
-                                decode: Use(launches, syncs, launches=launches, sync_s=0.0)}, {},
-                               probe_s=2e-6))
+        d = run.step()
         assert d.keys[train].ask is not Ask.SYNC
     assert d.keys[train].mode is duty.Mode.DUTY and d.keys[train].beside
-    assert d.keys[train].probe_share == 0.0 < d.keys[decode].probe_share
+    assert d.keys[train].probe_share == 0.0 < d.keys[run.decode].probe_share
     assert d.keys[train].stop_share == 0.0
     # The paced group goes idle: within BESIDE_S and its rate's window the
     # loop is the budget's again, at once and for good (no see-saw stay).
-    changes, last = [], launches
+    changes = []
     for _ in range(int((duty.BESIDE_S + duty.RATE_WALL_S) / 0.005)):
-        t += 0.005
-        launches += 10
-        d = p.step(Observation(t, {train: 50, decode: 50},
-                               {train: Use(launches, 0, launches=launches),
-                                decode: Use(last, syncs, launches=last)}, {}))
+        d = run.step(decode_runs=False)
         changes += [c for c in d.mode_changes if c[0] == train]
     assert changes == [(train, duty.Mode.BUDGET)], changes
     assert not d.keys[train].beside
@@ -171,19 +176,11 @@ def test_a_paced_loop_that_stops_synchronizing_beside_another_says_why_it_is_sti
     # A training loop that read its loss at first (paced by its own
     # synchronizes) and then stops reading it, next to a decode loop: it
     # stays paced by time, now beside the decode loop, and says so.
-    p = DutyPacer()
-    train, decode = (1, 0), (2, 0)
-    t, launches, syncs, train_syncs = 0.0, 0, 0, 0
+    run = BesideLoad(train=(1, 0), decode=(2, 0))
     said = []
     for i in range(2000):
-        t += 0.005
-        launches += 10
-        syncs += 1
-        train_syncs += 1 if i < 600 else 0
-        d = p.step(Observation(t, {train: 50, decode: 50},
-                               {train: Use(launches, train_syncs, launches=launches),
-                                decode: Use(launches, syncs, launches=launches)}, {}))
-        said += [(c[1], d.keys[train].beside) for c in d.mode_changes if c[0] == train]
+        d = run.step(train_syncs=i < 600)
+        said += [(c[1], d.keys[run.train].beside) for c in d.mode_changes if c[0] == run.train]
     assert said == [(duty.Mode.DUTY, False), (duty.Mode.DUTY, True)], said
 
 

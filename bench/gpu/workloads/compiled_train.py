@@ -13,17 +13,12 @@ import torch
 import torch.nn.functional as F
 
 from common import Reporter, parser, ready_start, wait_go
-from phased import LM
+from phased import LM, lm_arguments
 
 
 def main():
     ap = parser(__doc__)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--width", type=int, default=1024)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=16)
+    lm_arguments(ap, layers=4)
     ap.add_argument("--mode", default="default", choices=["default", "reduce-overhead"])
     ap.add_argument("--warmup", type=int, default=3)
     a = ap.parse_args()

@@ -33,14 +33,19 @@ class LM(nn.Module):
         return self.head(h)
 
 
-def main():
-    ap = parser(__doc__)
-    ap.add_argument("--layers", type=int, default=6)
+def lm_arguments(ap, layers: int) -> None:
+    """The LM's shape and its batch, as options."""
+    ap.add_argument("--layers", type=int, default=layers)
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--batch", type=int, default=16)
+
+
+def main():
+    ap = parser(__doc__)
+    lm_arguments(ap, layers=6)
     ap.add_argument("--train-s", type=float, default=3.0)
     ap.add_argument("--eval-s", type=float, default=1.5)
     a = ap.parse_args()
