@@ -385,8 +385,9 @@ class DutyPacer:
         changes: list[tuple[tuple[int, int], Mode]] = []
         slices: list[tuple[tuple[int, int], bool, float]] = []
         given: list[tuple[tuple[int, int], float]] = []
-        # Devices where a group is paced here by its own synchronizes (as of
-        # the last step): key -> whether another such group is on its device.
+        # The groups paced here by their own synchronizes (as of the last
+        # step) and when each was last active: beside one of them, on its
+        # device, a group that synchronizes rarely is paced here too.
         pacers = [(key, k.last_active) for key, k in self._keys.items() if k.own is Mode.DUTY]
 
         def beside(key: tuple[int, int]) -> bool:
