@@ -536,6 +536,15 @@ class Tracked:
     def close(self) -> None:
         self.proc.close()
 
+    def resume_and_close(self) -> None:
+        """Close it, continued first if it is stopped (at a denial no daemon
+        answered), so it can exit."""
+        try:
+            os.kill(self.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        self.close()
+
     def __enter__(self) -> "Tracked":
         return self
 

@@ -397,11 +397,7 @@ def test_sigkilled_daemon_leaves_no_process_stopped(fakecuda, lim_policy, workdi
             d2.stop()
     finally:
         for t in procs:
-            try:
-                os.kill(t.pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
-            t.close()
+            t.resume_and_close()
         d.stop()
 
 

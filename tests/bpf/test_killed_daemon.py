@@ -6,7 +6,6 @@ the processes' library by its scan and answer them itself).
 """
 from __future__ import annotations
 
-import os
 import signal
 import time
 
@@ -62,9 +61,5 @@ def test_processes_a_killed_daemon_stopped_wait_for_the_next_one(policy_file, tm
             finish_daemon(d2)
     finally:
         for t in procs:
-            try:
-                os.kill(t.pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
-            t.close()
+            t.resume_and_close()
         d.stop()

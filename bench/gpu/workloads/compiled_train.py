@@ -10,10 +10,9 @@ the timed loop, as a real job pays it once at start. Every step reads its
 loss back (.item()). Unit: steps/s.
 """
 import torch
-import torch.nn.functional as F
 
 from common import Reporter, parser, ready_start, wait_go
-from phased import LM, lm_arguments
+from phased import lm_arguments, lm_setup
 
 
 def main():
@@ -23,18 +22,13 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     a = ap.parse_args()
     wait_go(a)
-    dev = torch.device("cuda")
-    torch.manual_seed(0)
-    model = LM(a.vocab, a.width, a.layers, a.heads, a.seq).to(dev)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model, opt, x, loss_of = lm_setup(a)
     fwd = torch.compile(model, mode=a.mode)
-    ids = torch.randint(0, a.vocab, (a.batch, a.seq + 1), device=dev)
-    x, y = ids[:, :-1], ids[:, 1:]
 
     def step():
         with torch.autocast("cuda", dtype=torch.bfloat16):
             logits = fwd(x)
-        loss = F.cross_entropy(logits.reshape(-1, a.vocab).float(), y.reshape(-1))
+        loss = loss_of(logits)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()

@@ -43,13 +43,9 @@ def lm_arguments(ap, layers: int) -> None:
     ap.add_argument("--batch", type=int, default=16)
 
 
-def main():
-    ap = parser(__doc__)
-    lm_arguments(ap, layers=6)
-    ap.add_argument("--train-s", type=float, default=3.0)
-    ap.add_argument("--eval-s", type=float, default=1.5)
-    a = ap.parse_args()
-    wait_go(a)
+def lm_setup(a):
+    """On the GPU, from lm_arguments' options: the LM, its AdamW optimizer,
+    a batch of random tokens and the next-token loss of logits for it."""
     dev = torch.device("cuda")
     torch.manual_seed(0)
     model = LM(a.vocab, a.width, a.layers, a.heads, a.seq).to(dev)
@@ -59,6 +55,17 @@ def main():
 
     def loss_of(logits):
         return F.cross_entropy(logits.reshape(-1, a.vocab).float(), y.reshape(-1))
+    return model, opt, x, loss_of
+
+
+def main():
+    ap = parser(__doc__)
+    lm_arguments(ap, layers=6)
+    ap.add_argument("--train-s", type=float, default=3.0)
+    ap.add_argument("--eval-s", type=float, default=1.5)
+    a = ap.parse_args()
+    wait_go(a)
+    model, opt, x, loss_of = lm_setup(a)
 
     def train_step():
         with torch.autocast("cuda", dtype=torch.bfloat16):
