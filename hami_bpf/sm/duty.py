@@ -223,8 +223,8 @@ class _Key:
     syncs: int
     debt: float = 0.0
     mode: Mode = Mode.BUDGET
-    own: Mode = Mode.BUDGET     # the mode its own synchronize rate calls for
-    beside: bool = False        # in DUTY mode only for a neighbour's sake
+    own: Mode = Mode.BUDGET     # the mode its own synchronize rate calls for: in DUTY
+                                # mode without it, it is paced beside a neighbour
     last_active: float = -1e9
     asked_since: float | None = None
     held_s: float = 0.0     # time counted held, in all
@@ -437,6 +437,7 @@ class DutyPacer:
             window = _window(k, now, u)
             k.probe_share = _probe_share(window, obs.probe_s)
             k.host_paced = _host_paced(k, window)
+            was_beside = k.mode is Mode.DUTY and k.own is not Mode.DUTY
             k.own = (Mode.DUTY if rate >= PACED_HZ else
                      Mode.BUDGET if rate < UNPACED_HZ else k.own)
             mode = Mode.DUTY if k.own is Mode.DUTY or beside(key) else Mode.BUDGET
@@ -456,7 +457,7 @@ class DutyPacer:
                 given.append((key, stop_share))
             k.stop_share = stop_share
             if mode != k.mode:
-                if mode is Mode.BUDGET and not k.beside:
+                if mode is Mode.BUDGET and not was_beside:
                     if now - k.since >= BUDGET_STAY_MAX_S:
                         k.returns = 0       # paced by time this long: a phase, not a see-saw
                     k.stay_until = now + min(BUDGET_STAY_S * 2 ** k.returns, BUDGET_STAY_MAX_S)
@@ -465,9 +466,8 @@ class DutyPacer:
                 k.debt = min(k.debt, 0.0)
                 k.asked_since = None
                 changes.append((key, mode))
-            elif mode is Mode.DUTY and by_neighbour != k.beside:
+            elif mode is Mode.DUTY and by_neighbour != was_beside:
                 changes.append((key, mode))     # paced by time still, for another reason
-            k.beside = by_neighbour
             ask = Ask.NONE
             quantum = self._quantum(k)
             said = k.host_paced and k.mode is Mode.DUTY and self.host_run_s > 0
@@ -478,11 +478,11 @@ class DutyPacer:
                 if k.asked_since is None:
                     k.asked_since = now
                 # Paced beside another, it synchronizes rarely: no return to wait for.
-                ask = Ask.LAUNCH if k.beside or now - k.asked_since >= FORCE_AFTER_S else Ask.SYNC
+                ask = Ask.LAUNCH if by_neighbour or now - k.asked_since >= FORCE_AFTER_S else Ask.SYNC
             else:
                 k.asked_since = None
             decisions[key] = KeyDecision(k.mode, ask, k.debt, k.probe_share, k.host_paced, quantum,
-                                         k.stop_share, k.beside)
+                                         k.stop_share, by_neighbour)
 
         self._asked = {key[0] for key, d in decisions.items() if d.ask is not Ask.NONE}
         # Devices where a paced group runs now: another paced group there
