@@ -35,6 +35,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+sys.path.insert(0, HERE)
+from suite_run import workload_command  # noqa: E402 - a sibling script, by path
 SOCKET = os.environ.get("AB_SOCKET", "/tmp/h.sock")
 
 
@@ -168,7 +170,7 @@ def of_free(lines: list, free: list, start: float, end: float) -> float | None:
 
 
 def run_one(a, w: str) -> list[dict]:
-    group = f"ab-{w}-{os.getpid()}"
+    group = f"ab-{w.replace('@', '-')}-{os.getpid()}"
     seg = [None] + [c for cap in a.caps for c in (cap, None)]
     lengths = [a.ref_s if c is None else a.cap_s for c in seg]
     total = sum(lengths) + 5
@@ -176,8 +178,8 @@ def run_one(a, w: str) -> list[dict]:
     os.kill(a.daemon_pid, signal.SIGHUP)
     env = dict(os.environ, HAMI_GROUP=group)
     env.pop("CUDA_DEVICE_SM_LIMIT", None)
-    args = os.environ.get(f"ARGS_{w}", "").split()
-    cmd = ["python3", os.path.join(HERE, "workloads", f"{w}.py"), "--seconds", str(total), *args]
+    script, args = workload_command(w)
+    cmd = ["python3", script, "--seconds", str(total), *args]
     if a.cpus:
         cmd = ["taskset", "-c", a.cpus, *cmd]
     log = open(os.path.join(a.out, f"ab-{w}.log"), "w")

@@ -31,6 +31,10 @@ not measure gets its own uncapped reference too.
 Environment: WORKLOADS, CAPS, PAIRS, SPLITS, TWINS, SUITE_SECONDS (timed loop per run,
 default 10), SERVICE_CAP, QUICK=1 (caps 50 only, one pair at 30:70),
 ARGS_<workload> (extra arguments, e.g. ARGS_cnn_train="--arch resnet18"),
+a variant label <workload>@<v> wherever a workload is named (its arguments
+from ARGS_<workload>_<v>; e.g. WORKLOADS="cnn_train cnn_train@big" with
+ARGS_cnn_train_big="--batch 256": the same script twice, each against its
+own reference),
 PIN=0 (no CPU pinning).
 
 Start-up overlaps: the next run's processes are started (on spare CPUs) while
@@ -75,6 +79,15 @@ from stopcont import cpu_seconds, stopped     # this directory: the script's own
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WDIR = os.environ.get("SUITE_WORKLOAD_DIR") or os.path.join(HERE, "workloads")
+def workload_command(label: str) -> tuple[str, list[str]]:
+    """A workload label's script and extra arguments: "<w>" runs
+    workloads/<w>.py with ARGS_<w>, a variant "<w>@<v>" the same script with
+    ARGS_<w>_<v>."""
+    name, _, variant = label.partition("@")
+    env = f"ARGS_{name}_{variant}" if variant else f"ARGS_{name}"
+    return os.path.join(WDIR, f"{name}.py"), os.environ.get(env, "").split()
+
+
 ALL = ["cnn_train", "llm_decode", "llm_prefill", "graph_replay", "jax_train", "triton_loop", "phased",
        "compiled_train"]
 PY = sys.executable
@@ -155,8 +168,8 @@ class Suite:
             env.pop("CUDA_DEVICE_SM_LIMIT", None)
             if p.cap is not None:
                 env["CUDA_DEVICE_SM_LIMIT"] = str(p.cap)
-            extra = os.environ.get(f"ARGS_{p.workload}", "").split()
-            cmd = [PY, os.path.join(WDIR, f"{p.workload}.py"), "--seconds", str(self.a.seconds),
+            script, extra = workload_command(p.workload)
+            cmd = [PY, script, "--seconds", str(self.a.seconds),
                    "--sync-dir", p.sync, "--wait-limit", "1200"] + extra
             err = open(os.path.join(self.out, "logs", f"{run.label}-{p.side}.log"), "w")
             p.popen = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True,
@@ -182,7 +195,7 @@ class Suite:
             tag = {"run": run.label, "kind": run.kind, "cap": p.cap, "group": p.group, "side": p.side,
                    "ref": run.ref.get(p.workload)}
             tag.update(obj)
-            tag.setdefault("w", p.workload)
+            tag["w"] = p.workload   # the label: a variant is not its script's other runs
             if obj.get("summary"):
                 p.summary = obj
             self.write(tag)
@@ -567,8 +580,8 @@ def main() -> int:
             + (["llm_decode"] if "service" in a.sections else [])
             + ([x for p in a.pairs for x in p.split(":")] if "pair" in a.sections else []))
     for w in used:
-        if not os.path.exists(os.path.join(WDIR, f"{w}.py")):
-            ap.error(f"no workload {w} (bench/gpu/workloads/{w}.py)")
+        if not os.path.exists(workload_command(w)[0]):
+            ap.error(f"no workload {w} (bench/gpu/workloads/{w.split('@')[0]}.py)")
     s = Suite(a)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     return s.main()
