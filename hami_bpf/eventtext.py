@@ -173,9 +173,11 @@ TYPES: tuple[EventType, ...] = (
     EventType(K.THROTTLE, "corrected",
               ("group", "device", "sm_correction", "gain", "util", "target", "cap", "source",
                "rate"),
-              "group {group!r} device {device}: device {util:.0f}% busy where its cap of "
-              "{cap:g}% allows {target:.0f}%, while the launch budget held it: rate x{gain:.3g} "
-              "({sm_correction}, from {source})"),
+              lambda d: f"group {d['group']!r} device {d['device']}: device {d['util']:.0f}% "
+              f"busy where its cap of {d['cap']:g}% allows {d['target']:.0f}%, " + (
+                  "while its launch budget no longer held it, re-based on what it launched"
+                  if d["sm_correction"] == "runs_free" else "while the launch budget held it")
+              + f": rate x{d['gain']:.3g} ({d['sm_correction']}, from {d['source']})"),
     EventType(K.THROTTLE, "mode", ("group", "device", "sm_mode"),
               lambda d: f"group {d['group']!r} device {d['device']}: paced by " + (
                   "time, held at its launches, beside a group paced by time"

@@ -650,7 +650,7 @@ class SmController:
             util = min(100.0, sum(per_pid.get(pid, 0.0) for pid in g.pids))
             shared, source = False, guard.Source.PROCESS
         c = self.guard.observe(key, now=now, cap=b.cap, held=held, util=util, shared=shared,
-                               source=source)
+                               source=source, consumed=b.last_consumed, full_rate=b.full_rate)
         if c is None:
             return
         correct_rate(b, c.gain)

@@ -30,6 +30,17 @@ Against that target, for a group the budget held in the window:
   and a group using less of the device than its cap cannot be shown over
   it, so it is never lowered (fail open).
 
+A window in which the budget held the group under MIN_HELD of the time says
+nothing of the budget's price (the group ran as it would uncapped), and a
+rate far too high never holds its group again, so no held window would come
+to lower it a step at a time (a rate learned 20x too low and raised in two
+idle windows, x8 then x41, is 16x too high). So a group over its cap by
+TRIM_PTS, alone on the device (or read by its own per-process utilization),
+in two such windows in a row and not in the first after the budget took
+hold, has its rate re-based on what it did (RUNS_FREE): it launched C units
+a second at u% of the device, so its full rate is C x 100 / u, and its cap
+lets it run at cap / u of that.
+
 Utilization is the device's: next to other groups a reading over the target
 says nothing about this group (no lowering then), a reading under it still
 bounds this group's part (raising stays right). Where NVML reports
@@ -67,6 +78,7 @@ class Reason(str, Enum):
     HELD_WHILE_IDLE = "held_while_idle"   # far under the cap while held: raised at once
     UNDER_CAP = "under_cap"               # a little under: raised a step
     OVER_CAP = "over_cap"                 # over the cap alone on the device: lowered
+    RUNS_FREE = "runs_free"               # over the cap and not held: re-based on what it did
 
 
 class Source(str, Enum):
@@ -92,6 +104,7 @@ class _Window:
     util_sum: float = 0.0
     readings: int = 0
     shared: bool = False
+    consumed: int | None = None     # the group's cost units launched, at the window's start
     # The first window after its budget took hold: NVML's readings in it
     # (REF_LAG_S behind) are still of the group running free, no sign of
     # its being over its cap
@@ -106,11 +119,13 @@ class Guard:
         # (first reading offered, sum, readings taken) while it runs free
         self._ref: dict[tuple[int, int], tuple[float, float, int]] = {}
         self._streak: dict[tuple[int, int], float] = {}   # the last window's idle raise
+        self._free: set[tuple[int, int]] = set()    # the last window barely held the group
 
     def forget(self, key: tuple[int, int]) -> None:
         self._w.pop(key, None)
         self._ref.pop(key, None)
         self._streak.pop(key, None)
+        self._free.discard(key)
 
     def forget_group(self, group_index: int) -> None:
         for key in [k for k in self._w if k[0] == group_index]:
@@ -119,6 +134,7 @@ class Guard:
             del self._ref[key]
         for key in [k for k in self._streak if k[0] == group_index]:
             del self._streak[key]
+        self._free = {k for k in self._free if k[0] != group_index}
 
     def reference(self, key: tuple[int, int], util: float | None, now: float) -> None:
         """A reading while the group runs free (its budget learning). NVML's
@@ -137,14 +153,17 @@ class Guard:
 
     def observe(self, key: tuple[int, int], *, now: float, cap: float, held: bool,
                 util: float | None, shared: bool,
-                source: Source = Source.DEVICE) -> Correction | None:
+                source: Source = Source.DEVICE, consumed: int | None = None,
+                full_rate: float | None = None) -> Correction | None:
         """One tick of a budget-paced group: `held` whether the budget holds
         it now, `util` the utilization reading (None: none), `shared`
-        whether another group was active on the device. Returns the
-        correction to apply to its rate at the end of a window, if any."""
+        whether another group was active on the device, `consumed` the cost
+        units it launched so far and `full_rate` its budget's learned full
+        rate (units/s; either None: no re-basing). Returns the correction to
+        apply to its rate at the end of a window, if any."""
         w = self._w.get(key)
         if w is None:
-            self._w[key] = _Window(start=now, last=now, first=True)
+            self._w[key] = _Window(start=now, last=now, first=True, consumed=consumed)
             return None
         dt = max(0.0, now - w.last)
         w.last = now
@@ -156,13 +175,30 @@ class Guard:
         w.shared = w.shared or shared
         if now - w.start < WINDOW_S:
             return None
-        self._w[key] = _Window(start=now, last=now)
+        self._w[key] = _Window(start=now, last=now, consumed=consumed)
         last_raise = self._streak.pop(key, 1.0)
         span = now - w.start
-        if w.readings < MIN_READINGS or w.held_s < MIN_HELD * span:
+        free, was_free = w.held_s < MIN_HELD * span, key in self._free
+        (self._free.add if free else self._free.discard)(key)
+        if w.readings < MIN_READINGS:
             return None
         u = w.util_sum / w.readings
         t = self.target(key, cap)
+        if free:
+            if not (was_free and u > cap + TRIM_PTS and not w.shared and not w.first):
+                return None
+            c = _rebase(w, span, u, t, cap, source, consumed, full_rate)
+        else:
+            c = self._check(key, w, u, t, cap, source, last_raise)
+        if c is not None and c.gain < 1.0:
+            # NVML reads a second behind: the next window still shows the
+            # group as it ran before it was lowered.
+            self._w[key].first = True
+        return c
+
+    def _check(self, key: tuple[int, int], w: _Window, u: float, t: float, cap: float,
+               source: Source, last_raise: float) -> Correction | None:
+        """A window in which the budget held the group."""
         ratio = t / max(u, 1.0)
         if u < t - idle_pts(t):
             gain = min(min(max(ratio, FAST_MIN), FAST_MAX) * last_raise, STREAK_MAX)
@@ -173,3 +209,13 @@ class Guard:
         if u > cap + TRIM_PTS and not w.shared and not w.first:
             return Correction(Reason.OVER_CAP, max(cap / u, 1 / LOWER_MAX), u, t, cap, source)
         return None
+
+
+def _rebase(w: _Window, span: float, u: float, t: float, cap: float, source: Source,
+            consumed: int | None, full_rate: float | None) -> Correction | None:
+    """The rate of a group its budget no longer holds, from what it launched
+    over the window at `u`% of the device: lowered only."""
+    if consumed is None or w.consumed is None or not full_rate or consumed <= w.consumed:
+        return None
+    gain = (consumed - w.consumed) / span * 100.0 / u / full_rate
+    return Correction(Reason.RUNS_FREE, gain, u, t, cap, source) if gain < 1.0 else None

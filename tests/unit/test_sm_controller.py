@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from hami_bpf.sm import duty
 from hami_bpf.sm.controller import (Group, Observation, Phase, Settings, SmController, SmUse)
-from hami_bpf.throttle import UNLIMITED, Budget
+from hami_bpf.throttle import UNLIMITED, Budget, correct_rate
 
 DEV = 0
 PLAIN = Settings(turns=False, lend_idle=False, learn_alone=False)
@@ -327,3 +327,23 @@ def test_a_giveback_of_zero_gives_nothing_back():
         a.run(t, cost=100, sync=True)
         given += events(step(c, t, gs, [a]), "given_back")
     assert given == []
+
+
+def test_a_budget_that_no_longer_holds_its_group_over_its_cap_is_rebased_on_what_it_did():
+    c, gs, a = controller({"a": 50}), groups(a=1), Load(1)
+    t, _d = learn(c, gs, a, 100.0)
+    b = c.budgets[a.key]
+    # Raised far past its pace (two idle windows compounding): never held.
+    correct_rate(b, 1000.0)
+    corrected, counters = [], collections.Counter()
+    for n in range(80):         # 4 s: 20,000 units/s, the device 92% busy
+        t += 0.05
+        a.run(t, cost=1000, sync=n % 4 == 0)
+        d = step(c, t, gs, [a], util={DEV: 92.0})
+        corrected += events(d, "corrected")
+        counters.update(d.counters)
+    assert [e["sm_correction"] for e in corrected] == ["runs_free"]
+    assert corrected[0]["util"] == 92.0 and corrected[0]["cap"] == 50
+    assert counters["sm_corrections_runs_free"] == 1
+    # Its cap's share of what it did: 20,000 x 50 / 92 units/s.
+    assert abs(b.rate - 2e4 * 50 / 92) <= 0.06 * b.rate

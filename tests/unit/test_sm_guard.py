@@ -1,6 +1,8 @@
 """The launch budget's check against the GPU (sm.guard): fail open."""
 from __future__ import annotations
 
+import math
+
 from hypothesis import given, strategies as st
 
 from hami_bpf.sm import guard
@@ -154,3 +156,69 @@ def test_a_group_that_learned_while_it_waited_is_raised_fast_when_starved():
         g.reference((1, 0), 2.0, i * 0.5)
     c = run_window(g, cap=50, util=0.0, start=20.0)
     assert c is not None and c.reason is Reason.HELD_WHILE_IDLE and c.gain == guard.FAST_MAX
+
+
+def free_windows(g: Guard, n: int, *, cap: float, util: float, launched: float,
+                 full_rate: float, shared: bool = False, held: bool = False) -> list:
+    """n windows (50 ms ticks) of a group launching `launched` units a
+    second, its budget's full rate `full_rate`; each window's correction."""
+    out, t, consumed = [], 0.0, 0.0
+    for _ in range(n):
+        c = None
+        end = t + guard.WINDOW_S + 0.05
+        while t < end:
+            c = g.observe((1, 0), now=t, cap=cap, held=held, util=util, shared=shared,
+                          consumed=int(consumed), full_rate=full_rate) or c
+            t += 0.05
+            consumed += launched * 0.05
+        out.append(c)
+    return out
+
+
+def test_a_budget_that_no_longer_holds_its_group_over_its_cap_is_rebased_on_what_it_did():
+    # A rate raised far past the group's pace holds it no more: 92% busy at
+    # cap 50, launching 2e4 units/s where its full rate says 3.5e9.
+    cs = free_windows(Guard(), 4, cap=50, util=92.0, launched=2e4, full_rate=3.5e9)
+    # Not in the first window (NVML still reads it before its budget), and
+    # a second such window in a row is the sign.
+    assert cs[0] is None
+    c = cs[1]
+    assert c is not None and c.reason is Reason.RUNS_FREE and c.util == 92.0
+    # Its full rate becomes what it did at 92%, scaled to the whole device.
+    assert math.isclose(c.gain * 3.5e9, 2e4 * 100 / 92.0, rel_tol=0.06)
+    # The window after a lowering still reads the group before it.
+    assert cs[2] is None
+
+
+def test_a_group_its_budget_does_not_hold_is_left_alone_under_its_cap_or_beside_others():
+    assert free_windows(Guard(), 4, cap=50, util=54.0, launched=2e4, full_rate=3.5e9) == [None] * 4
+    assert free_windows(Guard(), 4, cap=50, util=92.0, launched=2e4, full_rate=3.5e9,
+                        shared=True) == [None] * 4
+    # It launches more than its full rate allows at 92%: never raised here.
+    assert free_windows(Guard(), 4, cap=50, util=92.0, launched=2e4, full_rate=1e4) == [None] * 4
+    # Without what it launched, nothing to re-base on.
+    assert free_windows(Guard(), 4, cap=50, util=92.0, launched=2e4, full_rate=None) == [None] * 4
+
+
+@given(cap=st.floats(5, 95), util=st.floats(0, 100), launched=st.floats(1e3, 1e9),
+       full_rate=st.floats(1, 1e10), shared=st.booleans())
+def test_a_rebase_only_lowers_a_group_over_its_cap_to_its_caps_share_of_what_it_did(
+        cap, util, launched, full_rate, shared):
+    for c in free_windows(Guard(), 3, cap=cap, util=util, launched=launched,
+                          full_rate=full_rate, shared=shared):
+        if c is None:
+            continue
+        assert c.reason is Reason.RUNS_FREE and c.gain < 1.0
+        assert util > cap + guard.TRIM_PTS and not shared
+        # The rate its cap then allows: cap / util of what it launched.
+        assert math.isclose(c.gain * full_rate * cap / 100, launched * cap / util, rel_tol=0.06)
+
+
+def test_a_window_after_a_lowering_is_not_lowered_again():
+    g = Guard()
+    run_window(g, cap=50, util=70.0)
+    step = guard.WINDOW_S + 0.2
+    assert run_window(g, cap=50, util=70.0, start=step).reason is Reason.OVER_CAP
+    # NVML reads a second behind: this window is of the group before.
+    assert run_window(g, cap=50, util=70.0, start=2 * step) is None
+    assert run_window(g, cap=50, util=70.0, start=3 * step).reason is Reason.OVER_CAP
