@@ -212,6 +212,7 @@ class SmController:
         should a cap come back)."""
         for dev in devices:
             self.forget_budget((index, dev))
+            self.duty.forget((index, dev))
 
     def forget_group(self, name: str, index: int) -> tuple[Event, ...]:
         """The group is gone: every trace of it, by name and by index.

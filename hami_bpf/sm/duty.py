@@ -330,6 +330,13 @@ class DutyPacer:
         self._asked.discard(group_index)
         self._holding.discard(group_index)
 
+    def forget(self, key: tuple[int, int]) -> None:
+        """A (group, device) that lost its cap: a cap that comes back starts
+        its books afresh. Kept, they would take the seconds it ran uncapped,
+        its synchronizes not counted then, for a group that synchronizes
+        rarely, and hand it to the launch budget for a moment."""
+        self._keys.pop(key, None)
+
     def mode(self, key: tuple[int, int]) -> Mode | None:
         k = self._keys.get(key)
         return None if k is None else k.mode

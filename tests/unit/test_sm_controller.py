@@ -347,3 +347,26 @@ def test_a_budget_that_no_longer_holds_its_group_over_its_cap_is_rebased_on_what
     assert counters["sm_corrections_runs_free"] == 1
     # Its cap's share of what it did: 20,000 x 50 / 92 units/s.
     assert abs(b.rate - 2e4 * 50 / 92) <= 0.06 * b.rate
+
+
+def test_a_cap_that_comes_back_paces_its_group_afresh():
+    # A group paced by time loses its cap, runs uncapped (no step counts its
+    # synchronizes then), and gets it back: paced by time again, with no
+    # moment handed to the launch budget.
+    c, gs, a = controller({"a": 50}), groups(a=1), Load(1)
+    t, said = 100.0, []
+    for _ in range(100):
+        t += 0.01
+        a.run(t, cost=100, sync=True)
+        said += events(step(c, t, gs, [a]), "mode")
+    assert [e["sm_mode"] for e in said] == ["duty"]
+    c.clear_caps("a")
+    c.uncap(1, [DEV])
+    t += 6.0                    # uncapped: the launch probes are gone
+    assert c.set_cap("a", DEV, 50)
+    said = []
+    for _ in range(100):
+        t += 0.01
+        a.run(t, cost=100, sync=True)
+        said += events(step(c, t, gs, [a]), "mode")
+    assert [e["sm_mode"] for e in said] == ["duty"]
