@@ -194,7 +194,9 @@ TYPES: tuple[EventType, ...] = (
               lambda d: f"group {d['group']!r} device {d['device']}: " + (
                   f"launch-bound (its GPU idle by the time it synchronizes): runs "
                   f"{d['stop_share']:.0%} of its running time more for what being held costs it"
-                  if d["stop_share"] else "no longer launch-bound: held for its cap alone")),
+                  if d["stop_share"] else "no longer launch-bound" + (
+                      f" (its GPU busy {d['gpu_busy']:.0f}% of its running time)"
+                      if d.get("gpu_busy") is not None else "") + ": held for its cap alone")),
     EventType(K.THROTTLE, "alone_done",
               ("group", "group_index", "device", "alone", "outcome", "learn_s", "released"),
               _alone_done),

@@ -276,7 +276,8 @@ class SmController:
     def wants(self, now: float, use: Mapping[Key, tuple], groups: Mapping[str, Group]) -> Reads:
         """Which readings a step at `now` with this `use` needs: device
         utilization only while a budget learns, for the guard of a budget
-        that has its rate, and for the turns' calibration when it is due; no
+        that has its rate, for a group paced by time that looks launch-bound
+        (duty.wants_util), and for the turns' calibration when it is due; no
         NVML call per tick otherwise. Pure: the step reruns what it looks at.
         A superset at worst: in the tick a group goes to duty pacing, its
         guard's reading is taken and goes unused."""
@@ -295,7 +296,8 @@ class SmController:
             if self.settings.turns else self.turns
         calibrate = bool(slots) and (self.turntable.due_after(slots, now)
                                      if self.settings.turns else self.turntable.due(now))
-        return Reads(bool(guarded), guarded, bool(keys), turn_util=calibrate)
+        return Reads(bool(guarded) or bool(self.duty.wants_util(now)), guarded, bool(keys),
+                     turn_util=calibrate)
 
     # -- the step ----------------------------------------------------------------
 
@@ -478,7 +480,8 @@ class SmController:
                 held[g.index] = obs.held[name]
         shared = frozenset(k for k in caps if self._neighbour_busy(k, now))
         pobs = duty.Observation(now=now, caps=caps, held=held, turns=frozenset(self.turns),
-                                alone_held=alone_held, probe_s=obs.probe_s, shared=shared, use={
+                                alone_held=alone_held, probe_s=obs.probe_s, shared=shared,
+                                util=obs.util, use={
             k: duty.Use(consumed=v[0], syncs=v[5], waiting=obs.waiting.get(k, 0), launches=v[1],
                         sync_s=v[3] / 1e9)
             for k, v in use.items() if k in caps})
@@ -496,8 +499,10 @@ class SmController:
                          device=key[1], host_paced=host, hold_ms=round(quantum * 1000))
         for key, share in d.given_back:
             self._counts[f"sm_giveback_{'on' if share else 'off'}"] += 1
+            busy = d.keys[key].busy
             self._record("throttle", "given_back", group=names.get(key[0], str(key[0])),
-                         device=key[1], stop_share=share)
+                         device=key[1], stop_share=share,
+                         gpu_busy=None if busy is None else round(busy, 1))
         for key, kd in d.keys.items():
             if kd.mode is not duty.Mode.DUTY:
                 continue

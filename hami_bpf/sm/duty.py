@@ -100,6 +100,19 @@ that loses nothing runs that much over its cap (errs open, where it costs no
 one); one that loses what the decode loop did lands on it. How much a held
 decode loop loses changes from run to run on the H200 VM (0-23%).
 
+Little time inside synchronize calls does not always mean a GPU idle by the
+time the loop asks: a loop whose launch queue is full waits inside its
+launches, and finds its GPU nearly done when it synchronizes at the end of a
+step too (a ViT training step: 97% busy, under 5% inside synchronize calls).
+Its launching thread has all the slack it needs, and giving it back time
+ran it 9 points over cap 75. So where the device's utilization is read
+(Observation.util: the pacer asks for a reading at most every BUSY_READ_S
+for a group that looks launch-bound, wants_util), a group whose device was
+busy LAUNCH_BOUND_BUSY% of its running time or more over its last BUSY_RUN_S
+of running, alone there, is not launch-bound, and until that is known it is
+given nothing back; with no reading, the synchronize calls alone decide (and
+it errs open), once BUSY_WAIT_S has gone by with none.
+
 Groups that synchronize rarely (below PACED_HZ) are not paced here: their
 work sits in a launch queue that a hold does not drain, and the launch
 budget (hami_bpf.throttle) paces them. `mode()` says which one applies.
@@ -143,6 +156,13 @@ GPU_PACED_SHARE = 0.6  # running time inside synchronize calls from which it is 
 LAUNCH_BOUND_SHARE = 0.05  # running time inside synchronize calls under which the GPU idles as it runs
 LAUNCH_SLACK_SHARE = 0.1   # ... and from which its launching thread has slack again
 HOST_STOP_SHARE = 0.15     # a launch-bound group's running time given back for what being held costs it
+LAUNCH_BOUND_BUSY = 60.0   # device busy this much of its running time (percent): not launch-bound
+BUSY_RUN_S = 1.0           # ... over the last readings in which it ran this long
+BUSY_MIN_RUN_S = 0.5       # ... or at least this long
+BUSY_WALL_S = 10.0         # ... looking back this far at most
+BUSY_WAIT_S = 3.0          # no reading this long after it looked launch-bound: its synchronize
+                           # calls alone decide
+BUSY_READ_S = 0.1          # a device reading for it at most this often
 BESIDE_S = 1.0         # a group paced here by its synchronizes, active this recently, paces
                        # its device's groups that synchronize rarely here too
 DUE_EPS_S = 1e-6       # a debt or hold this close to its end has ended (a step at next_step
@@ -188,6 +208,8 @@ class Observation:
     # keys whose device another group launched on lately: nothing is given
     # back there for being held (it would be the neighbour's time)
     shared: frozenset = frozenset()
+    # device -> utilization (percent) where read this step (wants_util)
+    util: Mapping[int, float | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -200,6 +222,7 @@ class KeyDecision:
     quantum: float = QUANTUM_S  # the debt at which it is asked to stop (its hold's length)
     stop_share: float = 0.0     # its running time given back for what being held costs it (launch-bound)
     beside: bool = False        # in DUTY mode only for a neighbour paced by its synchronizes
+    busy: float | None = None   # its device's utilization per second it ran, alone there (percent)
 
 
 @dataclass(frozen=True)
@@ -242,6 +265,10 @@ class _Key:
     said_host: bool = False     # host_paced as last reported (in DUTY mode)
     stop_share: float = 0.0     # HOST_STOP_SHARE while launch-bound in DUTY mode, else 0
     launch_bound: bool = False  # under LAUNCH_BOUND_SHARE inside synchronize calls (last window)
+    quiet: bool = False         # ... in the last window, whatever the device said
+    quiet_since: float = 0.0    # ... since (or since a neighbour was last seen)
+    # device readings while it was alone there: (time, held_s then, utilization)
+    busy_reads: collections.deque = field(default_factory=collections.deque)
 
     def run_pct(self) -> float:
         """The share of the time (percent) it may run: its cap, plus what
@@ -295,6 +322,28 @@ def _window(k: _Key, now: float, u: Use) -> tuple[float, float, int] | None:
     return ran, (u.sync_s - m[4]) / ran, u.launches - m[3]
 
 
+def _busy(k: _Key, now: float, util: float | None, alone: bool) -> float | None:
+    """Its device's utilization per second the group ran (percent, at most
+    100) over its last BUSY_RUN_S of running, from readings taken while it
+    was alone there; None when too little was read."""
+    reads = k.busy_reads
+    if not alone or k.mode is not Mode.DUTY:
+        reads.clear()
+        return None
+    if util is not None and (not reads or now - reads[-1][0] >= BUSY_READ_S):
+        reads.append((now, k.held_s, util))
+
+    def ran_from(i: int) -> float:
+        return (reads[-1][0] - reads[i][0]) - (reads[-1][1] - reads[i][1])
+    while len(reads) > 2 and (now - reads[0][0] > BUSY_WALL_S or ran_from(1) >= BUSY_RUN_S):
+        reads.popleft()
+    busy = ran = 0.0
+    for (t0, h0, _u0), (t1, h1, u1) in zip(reads, list(reads)[1:]):
+        busy += u1 * (t1 - t0)      # a reading covers the time since the one before
+        ran += (t1 - t0) - (h1 - h0)
+    return min(busy / ran, 100.0) if ran >= BUSY_MIN_RUN_S else None
+
+
 def _host_paced(k: _Key, window: tuple[float, float, int] | None) -> bool:
     if window is None:
         return k.host_paced
@@ -329,6 +378,13 @@ class DutyPacer:
             del self._keys[key]
         self._asked.discard(group_index)
         self._holding.discard(group_index)
+
+    def wants_util(self, now: float) -> frozenset[int]:
+        """Devices whose utilization the next step should be given: those of
+        groups paced here that look launch-bound, read BUSY_READ_S apart."""
+        return frozenset(key[1] for key, k in self._keys.items()
+                         if k.mode is Mode.DUTY and k.quiet
+                         and (not k.busy_reads or now - k.busy_reads[-1][0] >= BUSY_READ_S))
 
     def forget(self, key: tuple[int, int]) -> None:
         """A (group, device) that lost its cap: a cap that comes back starts
@@ -454,9 +510,19 @@ class DutyPacer:
                 # probe times: whether the probes slow it is unknown, and the
                 # time would be its neighbour's.
                 k.probe_share = 0.0
-            if window is not None and window[1] < LAUNCH_BOUND_SHARE:
+            busy = _busy(k, now, (obs.util or {}).get(key[1]), key not in obs.shared)
+            gpu_busy = busy is not None and busy >= LAUNCH_BOUND_BUSY
+            if window is not None:
+                quiet = window[1] < LAUNCH_BOUND_SHARE
+                if quiet and not k.quiet or key in obs.shared:
+                    k.quiet_since = now
+                k.quiet = quiet
+            # Not before the device has been read, or no reading came: the
+            # synchronize calls alone decide then.
+            known = busy is not None or not k.busy_reads and now - k.quiet_since >= BUSY_WAIT_S
+            if window is not None and k.quiet and not gpu_busy and known:
                 k.launch_bound = True
-            elif window is not None and window[1] >= LAUNCH_SLACK_SHARE:
+            elif window is not None and window[1] >= LAUNCH_SLACK_SHARE or gpu_busy:
                 k.launch_bound = False
             stop_share = (self.host_stop_share if k.launch_bound and mode is Mode.DUTY
                           and key not in obs.shared and not by_neighbour else 0.0)
@@ -489,7 +555,7 @@ class DutyPacer:
             else:
                 k.asked_since = None
             decisions[key] = KeyDecision(k.mode, ask, k.debt, k.probe_share, k.host_paced, quantum,
-                                         k.stop_share, by_neighbour)
+                                         k.stop_share, by_neighbour, busy)
 
         self._asked = {key[0] for key, d in decisions.items() if d.ask is not Ask.NONE}
         # Devices where a paced group runs now: another paced group there

@@ -294,13 +294,13 @@ def test_a_launch_bound_group_is_said_to_be_given_back_its_stop_cost_once():
     # 100 synchronizes a second of running and no time inside them: launch-bound
     c, gs, a = controller({"a": 50}), groups(a=1), Load(1)
     t, given, counts = 100.0, [], collections.Counter()
-    for _ in range(300):
+    for _ in range(600):        # no device reading: the synchronize calls decide
         t += 0.01
         a.run(t, cost=100, sync=True)
         d = step(c, t, gs, [a])
         given += events(d, "given_back")
         counts.update(d.counters)
-    assert given == [dict(group="a", device=DEV, stop_share=duty.HOST_STOP_SHARE)]
+    assert given == [dict(group="a", device=DEV, stop_share=duty.HOST_STOP_SHARE, gpu_busy=None)]
     assert counts["sm_giveback_on"] == 1 and counts["sm_giveback_off"] == 0
 
 
@@ -308,10 +308,10 @@ def test_a_launch_bound_group_is_given_nothing_back_while_another_group_uses_its
     c, gs = controller({"a": 50}), groups(a=1, b=2)
     a, b = Load(1), Load(2)                   # b: uncapped, launching on the same device
     t, given = 100.0, []
-    for i in range(600):
+    for i in range(900):
         t += 0.01
         a.run(t, cost=100, sync=True)
-        if i >= 300:
+        if i >= 600:
             b.run(t, cost=100)
         given += [e["stop_share"] for e in events(step(c, t, gs, [a, b]), "given_back")]
     assert given == [duty.HOST_STOP_SHARE, 0.0]
@@ -370,3 +370,20 @@ def test_a_cap_that_comes_back_paces_its_group_afresh():
         a.run(t, cost=100, sync=True)
         said += events(step(c, t, gs, [a]), "mode")
     assert [e["sm_mode"] for e in said] == ["duty"]
+
+
+def test_a_quiet_group_whose_device_is_busy_is_read_and_given_nothing_back():
+    # No time inside its synchronizes, as a launch-bound loop, but its
+    # device is busy all the time it runs (a full launch queue).
+    c, gs, a = controller({"a": 50}), groups(a=1), Load(1)
+    t, given, reads = 100.0, [], 0
+    for _ in range(600):
+        t += 0.01
+        a.run(t, cost=100, sync=True)
+        util = None
+        if c.wants(t, {a.key: a.use()}, gs).util:
+            reads += t > 103.0      # paced by time by then: read BUSY_READ_S apart
+            util = {DEV: 100.0}
+        given += events(step(c, t, gs, [a], util=util), "given_back")
+    assert 0 < reads <= 3.0 / duty.BUSY_READ_S + 1
+    assert given == []

@@ -1,6 +1,7 @@
 """The duty pacer (hami_bpf.sm.duty), stepped directly with made-up observations."""
 from __future__ import annotations
 
+import collections
 import dataclasses
 import random
 
@@ -765,26 +766,42 @@ def test_a_change_of_slices_is_reported_once_each_way():
 
 # -- what being held costs a launch-bound loop, given back ----------------------
 
-def always_running(p, cap, waited, seconds=20.0, dt=0.002):
+NVML_PERIOD_S = 1 / 6     # NVML's utilization: the busy share of its last sample period
+
+
+def always_running(p, cap, waited, seconds=20.0, dt=0.002, util=None, said=None):
     """A group always active that stops at once when asked, spending `waited`
     of its running time inside synchronize calls (a synchronize per step).
-    Returns (percent of the time it ran after the first second, the last
-    decision's stop_share)."""
+    Returns (percent of the time it ran once what it is given back is known,
+    the last decision's stop_share). With `util`, the device is that busy
+    while the group runs and idle while it is held, and reads (whenever the
+    pacer asks) as NVML does, the busy share of its last sample period;
+    without, no reading comes, and what it is given back is known
+    BUSY_WAIT_S after its first window. `said`: (time, stop_share) of each
+    change is appended."""
     t, n, sync_s, since = 0.0, 0, 0.0, None
     ran = total = 0.0
     kd = None
+    settled = 2.0 + duty.BUSY_WAIT_S
+    recent = collections.deque(maxlen=round(NVML_PERIOD_S / dt))   # running, each dt
     while t < seconds:
         t += dt
         if since is None:
             n += 1
             sync_s += dt * waited
-            if t > 1.0:
+            if t > settled:
                 ran += dt
-        if t > 1.0:
+        if t > settled:
             total += dt
+        read = None
+        recent.append(since is None)
+        if util is not None and KEY[1] in p.wants_util(t):
+            read = {KEY[1]: util * sum(recent) / len(recent)}
         d = p.step(Observation(t, {KEY: cap}, {KEY: Use(n, n, sync_s=sync_s)},
-                               {KEY[0]: since} if since is not None else {}))
+                               {KEY[0]: since} if since is not None else {}, util=read))
         kd = d.keys[KEY]
+        if said is not None:
+            said.extend((t, share) for key, share in d.given_back if key == KEY)
         if since is not None and KEY[0] in d.release:
             since = None
         elif since is None and kd.ask is not Ask.NONE:
@@ -808,6 +825,48 @@ def test_a_group_that_waits_for_the_gpu_is_given_nothing_back(cap, waited):
     assert abs(share - cap) <= 2.0, share
 
 
+@given(cap=st.integers(10, 90), waited=st.floats(0.0, 0.04))
+@settings(max_examples=10, deadline=None)
+def test_a_quiet_loop_that_keeps_its_gpu_busy_is_given_nothing_back(cap, waited):
+    # Little time inside synchronize calls, but a full launch queue: its
+    # GPU is busy 95% of the time it runs.
+    said = []
+    share, stop_share = always_running(duty.DutyPacer(), cap, waited, util=95.0, said=said)
+    assert stop_share == 0.0 and said == []
+    assert abs(share - cap) <= 2.0, share
+
+
+def test_a_quiet_loop_whose_gpu_idles_is_given_back_once_the_device_says_so():
+    said = []
+    share, stop_share = always_running(duty.DutyPacer(), 50, 0.0, util=25.0, said=said)
+    assert stop_share == duty.HOST_STOP_SHARE and abs(share - allowed(50)) <= 2.0, share
+    # Once it has run BUSY_MIN_RUN_S under readings, not BUSY_WAIT_S later.
+    assert [s for _t, s in said] == [duty.HOST_STOP_SHARE]
+    assert said[0][0] < 1.0 + duty.BUSY_WAIT_S
+
+
+def test_the_device_is_read_for_a_quiet_loop_only_and_at_most_every_busy_read_s():
+    p = duty.DutyPacer()
+    t, n, asked = 0.0, 0, []
+    for _ in range(2000):
+        t += 0.002
+        n += 1
+        if KEY[1] in p.wants_util(t):
+            asked.append(t)
+        p.step(Observation(t, {KEY: 50.0}, {KEY: Use(n, n, sync_s=n * 0.002 * 0.5)}, {},
+                           util={KEY[1]: 90.0} if asked and asked[-1] == t else None))
+    assert asked == []          # it waits for its GPU: nothing to read
+    p = duty.DutyPacer()
+    for _ in range(2000):
+        t += 0.002
+        n += 1
+        if KEY[1] in p.wants_util(t):
+            asked.append(t)
+        p.step(Observation(t, {KEY: 50.0}, {KEY: Use(n, n)}, {},
+                           util={KEY[1]: 20.0} if asked and asked[-1] == t else None))
+    assert asked and all(b - a >= duty.BUSY_READ_S - 1e-9 for a, b in zip(asked, asked[1:]))
+
+
 def test_host_stop_share_zero_gives_nothing_back():
     share, stop_share = always_running(duty.DutyPacer(host_stop_share=0.0), 50, 0.0)
     assert stop_share == 0.0 and abs(share - 50) <= 2.0, share
@@ -827,7 +886,8 @@ def test_launch_bound_has_hysteresis_and_each_change_is_reported():
             said.extend(share for key, share in d.given_back if key == KEY)
         return d.keys[KEY].stop_share
 
-    assert run(3.0, 0.01) == duty.HOST_STOP_SHARE      # launch-bound
+    # Launch-bound, once no device reading came for BUSY_WAIT_S
+    assert run(1.0 + duty.BUSY_WAIT_S, 0.01) == duty.HOST_STOP_SHARE
     assert run(3.0, 0.07) == duty.HOST_STOP_SHARE      # between the two: it keeps what it was
     assert run(3.0, 0.2) == 0.0                        # slack again
     assert run(3.0, 0.07) == 0.0
