@@ -107,10 +107,12 @@ step too (a ViT training step: 97% busy, under 5% inside synchronize calls).
 Its launching thread has all the slack it needs, and giving it back time
 ran it 9 points over cap 75. So where the device's utilization is read
 (Observation.util: the pacer asks for a reading at most every BUSY_READ_S
-for a group that looks launch-bound, wants_util), a group whose device was
-busy LAUNCH_BOUND_BUSY% of its running time or more over its last BUSY_RUN_S
-of running, alone there, is not launch-bound, and until that is known it is
-given nothing back; with no reading, the synchronize calls alone decide (and
+for a group that looks launch-bound, wants_util), a group is launch-bound
+only if its device, alone there, was busy under LAUNCH_IDLE_BUSY% of its
+last BUSY_RUN_S of running, and stops being so at LAUNCH_BOUND_BUSY% (paced
+by the daemon on the H200: a decode loop 13-14%, a MobileNet training loop
+40-54%, a ViT training loop 50-66%, each estimate swinging by 15 points from
+one reading to the next); until that is known it is given nothing back; with no reading, the synchronize calls alone decide (and
 it errs open), once BUSY_WAIT_S has gone by with none.
 
 Groups that synchronize rarely (below PACED_HZ) are not paced here: their
@@ -156,7 +158,8 @@ GPU_PACED_SHARE = 0.6  # running time inside synchronize calls from which it is 
 LAUNCH_BOUND_SHARE = 0.05  # running time inside synchronize calls under which the GPU idles as it runs
 LAUNCH_SLACK_SHARE = 0.1   # ... and from which its launching thread has slack again
 HOST_STOP_SHARE = 0.15     # a launch-bound group's running time given back for what being held costs it
-LAUNCH_BOUND_BUSY = 60.0   # device busy this much of its running time (percent): not launch-bound
+LAUNCH_IDLE_BUSY = 35.0    # device busy under this much of its running time (percent): launch-bound
+LAUNCH_BOUND_BUSY = 50.0   # ... this much or more: not
 BUSY_RUN_S = 1.0           # ... over the last readings in which it ran this long
 BUSY_MIN_RUN_S = 0.5       # ... or at least this long
 BUSY_WALL_S = 10.0         # ... looking back this far at most
@@ -512,6 +515,7 @@ class DutyPacer:
                 k.probe_share = 0.0
             busy = _busy(k, now, (obs.util or {}).get(key[1]), key not in obs.shared)
             gpu_busy = busy is not None and busy >= LAUNCH_BOUND_BUSY
+            gpu_idle = busy is None or busy < LAUNCH_IDLE_BUSY
             if window is not None:
                 quiet = window[1] < LAUNCH_BOUND_SHARE
                 if quiet and not k.quiet or key in obs.shared:
@@ -520,7 +524,7 @@ class DutyPacer:
             # Not before the device has been read, or no reading came: the
             # synchronize calls alone decide then.
             known = busy is not None or not k.busy_reads and now - k.quiet_since >= BUSY_WAIT_S
-            if window is not None and k.quiet and not gpu_busy and known:
+            if window is not None and k.quiet and gpu_idle and known:
                 k.launch_bound = True
             elif window is not None and window[1] >= LAUNCH_SLACK_SHARE or gpu_busy:
                 k.launch_bound = False

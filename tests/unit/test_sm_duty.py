@@ -836,6 +836,13 @@ def test_a_quiet_loop_that_keeps_its_gpu_busy_is_given_nothing_back(cap, waited)
     assert abs(share - cap) <= 2.0, share
 
 
+def test_a_quiet_loop_between_idle_and_busy_keeps_what_it_was():
+    # Busy 42% of its running time: neither; it starts with nothing given back.
+    said = []
+    share, stop_share = always_running(duty.DutyPacer(), 50, 0.0, util=42.0, said=said)
+    assert stop_share == 0.0 and said == [] and abs(share - 50) <= 2.0, share
+
+
 def test_a_quiet_loop_whose_gpu_idles_is_given_back_once_the_device_says_so():
     said = []
     share, stop_share = always_running(duty.DutyPacer(), 50, 0.0, util=25.0, said=said)
