@@ -112,8 +112,9 @@ only if its device, alone there, was busy under LAUNCH_IDLE_BUSY% of its
 last BUSY_RUN_S of running, and stops being so at LAUNCH_BOUND_BUSY% (paced
 by the daemon on the H200: a decode loop 13-14%, a MobileNet training loop
 40-54%, a ViT training loop 50-66%, each estimate swinging by 15 points from
-one reading to the next); until that is known it is given nothing back; with no reading, the synchronize calls alone decide (and
-it errs open), once BUSY_WAIT_S has gone by with none.
+one reading to the next). Until that is known it is given nothing back;
+with no reading, the synchronize calls alone decide (and it errs open),
+once BUSY_WAIT_S has gone by with none.
 
 Groups that synchronize rarely (below PACED_HZ) are not paced here: their
 work sits in a launch queue that a hold does not drain, and the launch
