@@ -34,6 +34,11 @@ The timed loop
   longest stretch below cap - 10 points there, so that the pacer is judged
   where the workload is bound by the GPU.
 
+The device's utilization
+  Where the pacer asks for it (duty.DutyPacer.wants_util), it is read off the
+  modelled GPU as NVML reads it: the busy share of a sample period of
+  NVML_PERIOD_S that ended NVML_LAG_S ago.
+
 Not modelled: the launch budget (hami_bpf.throttle); a group in BUDGET mode
 runs freely here and the report says how long it was in that mode. Launch
 queue back-pressure is only present as the recorded host gaps. A stop costs
@@ -56,6 +61,8 @@ TICK_S = 0.01          # the daemon's tick
 MIN_STEP_S = 1e-6      # a requested step no sooner than this after the last one
 WARMUP_S = 5.0         # ratios before this are not in the mean
 LOOP_SETTLE_S = 5.0    # the timed loop's first seconds of a throttled run are not in its mean
+NVML_PERIOD_S = 1 / 6  # NVML's utilization: the busy share of a sample period this long
+NVML_LAG_S = 1.0       # ... that ended about this long ago (docs/facts.md)
 
 
 # -- controllers -------------------------------------------------------------
@@ -71,7 +78,10 @@ class Step:
 
 class Controller(Protocol):
     def step(self, now: float, consumed: int, syncs: int, held_since: float | None,
-             waiting: int = 0, launches: int = 0, sync_s: float = 0.0) -> Step: ...
+             waiting: int = 0, launches: int = 0, sync_s: float = 0.0,
+             util: float | None = None) -> Step: ...
+    # Optional: def wants_util(self, now: float) -> bool, whether the step at
+    # `now` is to be given the device's utilization (`util`).
 
 
 class DutyController:
@@ -83,13 +93,18 @@ class DutyController:
         self.key = (group, device)
         self.pacer = pacer or duty.DutyPacer()
 
+    def wants_util(self, now: float) -> bool:
+        return self.key[1] in self.pacer.wants_util(now)
+
     def step(self, now: float, consumed: int, syncs: int, held_since: float | None,
-             waiting: int = 0, launches: int = 0, sync_s: float = 0.0) -> Step:
+             waiting: int = 0, launches: int = 0, sync_s: float = 0.0,
+             util: float | None = None) -> Step:
         g = self.key[0]
         obs = duty.Observation(now=now, caps={self.key: self.cap},
                                use={self.key: duty.Use(consumed, syncs, waiting, launches,
                                                        sync_s)},
-                               held={g: held_since} if held_since is not None else {})
+                               held={g: held_since} if held_since is not None else {},
+                               util=None if util is None else {self.key[1]: util})
         d = self.pacer.step(obs)
         k = d.keys[self.key]
         return Step(k.ask, g in d.release, d.next_step, k.mode, k.debt)
@@ -131,6 +146,16 @@ class Run:
     modes: list                 # (t, mode) at every step
     mode_changes: int
     debt_max: float
+    gpu: tuple = ((), ())       # the modelled GPU's busy intervals: (starts, ends), in order
+
+    def gpu_busy(self, t0: float, t1: float) -> float:
+        """The share of [t0, t1] the modelled GPU was busy."""
+        starts, ends = self.gpu
+        i, busy = bisect.bisect_right(ends, t0), 0.0
+        while i < len(starts) and starts[i] < t1:
+            busy += max(0.0, min(ends[i], t1) - max(starts[i], t0))
+            i += 1
+        return busy / (t1 - t0) if t1 > t0 else 0.0
 
 
 def replay(wl: Workload, controller: Controller | None = None, *, cap: float | None = None,
@@ -164,6 +189,18 @@ def replay(wl: Workload, controller: Controller | None = None, *, cap: float | N
     next_tick = 0.0 if controller is not None else math.inf
     step_at: float | None = None
     live = sum(1 for s in state if s != _DONE)
+    # The modelled GPU's busy intervals, in order, and the busy time before each.
+    busy_from: list[float] = []
+    busy_to: list[float] = []
+    busy_before: list[float] = []
+
+    def busy_until(t: float) -> float:
+        i = bisect.bisect_right(busy_from, t) - 1
+        return 0.0 if i < 0 else busy_before[i] + min(t, busy_to[i]) - busy_from[i]
+
+    def nvml_util() -> float:
+        end = max(now - NVML_LAG_S, NVML_PERIOD_S)
+        return 100.0 * (busy_until(end) - busy_until(end - NVML_PERIOD_S)) / NVML_PERIOD_S
 
     def finish_action(i: int) -> None:
         nonlocal live
@@ -219,6 +256,11 @@ def replay(wl: Workload, controller: Controller | None = None, *, cap: float | N
                             break
                         start = now if now > gpu_free else gpu_free
                         gpu_free = start + th.gpu[k]
+                        if gpu_free > start:
+                            busy_before.append(
+                                busy_before[-1] + busy_to[-1] - busy_from[-1] if busy_from else 0.0)
+                            busy_from.append(start)
+                            busy_to.append(gpu_free)
                         consumed += th.costs[k]
                         launches += th.counts[k]
                         finish_action(i)
@@ -243,9 +285,11 @@ def replay(wl: Workload, controller: Controller | None = None, *, cap: float | N
                 next_tick = ticks * tick
             seen = held_since if held_since is not None and now >= held_since + seen_after - _EPS \
                 else None
+            wants = getattr(controller, "wants_util", None)
+            read = {"util": nvml_util()} if wants is not None and wants(now) else {}
             s = controller.step(now, consumed, syncs, seen,
                                 waiting=sum(1 for st in state if st == _WAIT),
-                                launches=launches, sync_s=sync_s)
+                                launches=launches, sync_s=sync_s, **read)
             modes.append((now, s.mode))
             if last_mode is not None and s.mode != last_mode:
                 mode_changes += 1
@@ -262,7 +306,7 @@ def replay(wl: Workload, controller: Controller | None = None, *, cap: float | N
         holds.append((held_since, now))
     return Run(workload=wl.name, cap=cap, end=now, finished=live == 0, done_at=done_at,
                returns=returns, holds=holds, stops=stops, modes=modes,
-               mode_changes=mode_changes, debt_max=debt_max)
+               mode_changes=mode_changes, debt_max=debt_max, gpu=(busy_from, busy_to))
 
 
 def replay_capped(wl: Workload, cap: float, *, horizon: float | None = None,
