@@ -79,6 +79,8 @@ from stopcont import cpu_seconds, stopped     # this directory: the script's own
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WDIR = os.environ.get("SUITE_WORKLOAD_DIR") or os.path.join(HERE, "workloads")
+
+
 def workload_command(label: str) -> tuple[str, list[str]]:
     """A workload label's script and extra arguments: "<w>" runs
     workloads/<w>.py with ARGS_<w>, a variant "<w>@<v>" the same script with
@@ -580,8 +582,9 @@ def main() -> int:
             + (["llm_decode"] if "service" in a.sections else [])
             + ([x for p in a.pairs for x in p.split(":")] if "pair" in a.sections else []))
     for w in used:
-        if not os.path.exists(workload_command(w)[0]):
-            ap.error(f"no workload {w} (bench/gpu/workloads/{w.split('@')[0]}.py)")
+        script = workload_command(w)[0]
+        if not os.path.exists(script):
+            ap.error(f"no workload {w} ({script})")
     s = Suite(a)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     return s.main()

@@ -271,7 +271,8 @@ class _Key:
     launch_bound: bool = False  # under LAUNCH_BOUND_SHARE inside synchronize calls (last window)
     quiet: bool = False         # ... in the last window, whatever the device said
     quiet_since: float = 0.0    # ... since (or since a neighbour was last seen)
-    # device readings while it was alone there: (time, held_s then, utilization)
+    # device readings while it was alone there: (time, held_s then, the
+    # utilization integrated over time up to then, percent-seconds)
     busy_reads: collections.deque = field(default_factory=collections.deque)
 
     def run_pct(self) -> float:
@@ -335,17 +336,16 @@ def _busy(k: _Key, now: float, util: float | None, alone: bool) -> float | None:
         reads.clear()
         return None
     if util is not None and (not reads or now - reads[-1][0] >= BUSY_READ_S):
-        reads.append((now, k.held_s, util))
+        # A reading covers the time since the one before.
+        busy = reads[-1][2] + util * (now - reads[-1][0]) if reads else 0.0
+        reads.append((now, k.held_s, busy))
 
     def ran_from(i: int) -> float:
         return (reads[-1][0] - reads[i][0]) - (reads[-1][1] - reads[i][1])
     while len(reads) > 2 and (now - reads[0][0] > BUSY_WALL_S or ran_from(1) >= BUSY_RUN_S):
         reads.popleft()
-    busy = ran = 0.0
-    for (t0, h0, _u0), (t1, h1, u1) in zip(reads, list(reads)[1:]):
-        busy += u1 * (t1 - t0)      # a reading covers the time since the one before
-        ran += (t1 - t0) - (h1 - h0)
-    return min(busy / ran, 100.0) if ran >= BUSY_MIN_RUN_S else None
+    ran = ran_from(0) if reads else 0.0
+    return min((reads[-1][2] - reads[0][2]) / ran, 100.0) if ran >= BUSY_MIN_RUN_S else None
 
 
 def _host_paced(k: _Key, window: tuple[float, float, int] | None) -> bool:

@@ -49,7 +49,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from . import duty
@@ -133,6 +133,31 @@ HELD_MEASURED = Cold(seconds=1.0, speed=0.85)
 _HOST, _WAIT, _DONE = 0, 1, 2
 
 
+class GpuBusy:
+    """The modelled GPU's busy intervals, appended in order (its work runs
+    one piece after another), with the busy time before each."""
+
+    def __init__(self) -> None:
+        self.starts: list[float] = []
+        self.ends: list[float] = []
+        self.before: list[float] = []
+
+    def add(self, start: float, end: float) -> None:
+        if end > start:
+            self.before.append(self.before[-1] + self.ends[-1] - self.starts[-1]
+                               if self.starts else 0.0)
+            self.starts.append(start)
+            self.ends.append(end)
+
+    def until(self, t: float) -> float:
+        """Seconds busy before t."""
+        i = bisect.bisect_right(self.starts, t) - 1
+        return 0.0 if i < 0 else self.before[i] + min(t, self.ends[i]) - self.starts[i]
+
+    def share(self, t0: float, t1: float) -> float:
+        return (self.until(t1) - self.until(t0)) / (t1 - t0) if t1 > t0 else 0.0
+
+
 @dataclass
 class Run:
     workload: str
@@ -146,16 +171,11 @@ class Run:
     modes: list                 # (t, mode) at every step
     mode_changes: int
     debt_max: float
-    gpu: tuple = ((), ())       # the modelled GPU's busy intervals: (starts, ends), in order
+    gpu: GpuBusy = field(default_factory=GpuBusy)   # when the modelled GPU ran
 
     def gpu_busy(self, t0: float, t1: float) -> float:
         """The share of [t0, t1] the modelled GPU was busy."""
-        starts, ends = self.gpu
-        i, busy = bisect.bisect_right(ends, t0), 0.0
-        while i < len(starts) and starts[i] < t1:
-            busy += max(0.0, min(ends[i], t1) - max(starts[i], t0))
-            i += 1
-        return busy / (t1 - t0) if t1 > t0 else 0.0
+        return self.gpu.share(t0, t1)
 
 
 def replay(wl: Workload, controller: Controller | None = None, *, cap: float | None = None,
@@ -189,18 +209,11 @@ def replay(wl: Workload, controller: Controller | None = None, *, cap: float | N
     next_tick = 0.0 if controller is not None else math.inf
     step_at: float | None = None
     live = sum(1 for s in state if s != _DONE)
-    # The modelled GPU's busy intervals, in order, and the busy time before each.
-    busy_from: list[float] = []
-    busy_to: list[float] = []
-    busy_before: list[float] = []
-
-    def busy_until(t: float) -> float:
-        i = bisect.bisect_right(busy_from, t) - 1
-        return 0.0 if i < 0 else busy_before[i] + min(t, busy_to[i]) - busy_from[i]
+    gpu = GpuBusy()
 
     def nvml_util() -> float:
         end = max(now - NVML_LAG_S, NVML_PERIOD_S)
-        return 100.0 * (busy_until(end) - busy_until(end - NVML_PERIOD_S)) / NVML_PERIOD_S
+        return 100.0 * gpu.share(end - NVML_PERIOD_S, end)
 
     def finish_action(i: int) -> None:
         nonlocal live
@@ -256,11 +269,7 @@ def replay(wl: Workload, controller: Controller | None = None, *, cap: float | N
                             break
                         start = now if now > gpu_free else gpu_free
                         gpu_free = start + th.gpu[k]
-                        if gpu_free > start:
-                            busy_before.append(
-                                busy_before[-1] + busy_to[-1] - busy_from[-1] if busy_from else 0.0)
-                            busy_from.append(start)
-                            busy_to.append(gpu_free)
+                        gpu.add(start, gpu_free)
                         consumed += th.costs[k]
                         launches += th.counts[k]
                         finish_action(i)
@@ -306,7 +315,7 @@ def replay(wl: Workload, controller: Controller | None = None, *, cap: float | N
         holds.append((held_since, now))
     return Run(workload=wl.name, cap=cap, end=now, finished=live == 0, done_at=done_at,
                returns=returns, holds=holds, stops=stops, modes=modes,
-               mode_changes=mode_changes, debt_max=debt_max, gpu=(busy_from, busy_to))
+               mode_changes=mode_changes, debt_max=debt_max, gpu=gpu)
 
 
 def replay_capped(wl: Workload, cap: float, *, horizon: float | None = None,

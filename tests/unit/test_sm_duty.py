@@ -852,25 +852,24 @@ def test_a_quiet_loop_whose_gpu_idles_is_given_back_once_the_device_says_so():
     assert said[0][0] < 1.0 + duty.BUSY_WAIT_S
 
 
+def reads_asked(waited: float, util: float, seconds: float = 4.0, dt: float = 0.002) -> list:
+    """When the pacer asks for the device's reading of a group that runs all
+    along, `waited` of its time inside synchronize calls; each is given."""
+    p, t, n, asked = duty.DutyPacer(), 0.0, 0, []
+    while t < seconds:
+        t += dt
+        n += 1
+        read = KEY[1] in p.wants_util(t)
+        if read:
+            asked.append(t)
+        p.step(Observation(t, {KEY: 50.0}, {KEY: Use(n, n, sync_s=n * dt * waited)}, {},
+                           util={KEY[1]: util} if read else None))
+    return asked
+
+
 def test_the_device_is_read_for_a_quiet_loop_only_and_at_most_every_busy_read_s():
-    p = duty.DutyPacer()
-    t, n, asked = 0.0, 0, []
-    for _ in range(2000):
-        t += 0.002
-        n += 1
-        if KEY[1] in p.wants_util(t):
-            asked.append(t)
-        p.step(Observation(t, {KEY: 50.0}, {KEY: Use(n, n, sync_s=n * 0.002 * 0.5)}, {},
-                           util={KEY[1]: 90.0} if asked and asked[-1] == t else None))
-    assert asked == []          # it waits for its GPU: nothing to read
-    p = duty.DutyPacer()
-    for _ in range(2000):
-        t += 0.002
-        n += 1
-        if KEY[1] in p.wants_util(t):
-            asked.append(t)
-        p.step(Observation(t, {KEY: 50.0}, {KEY: Use(n, n)}, {},
-                           util={KEY[1]: 20.0} if asked and asked[-1] == t else None))
+    assert reads_asked(0.5, 90.0) == []     # it waits for its GPU: nothing to read
+    asked = reads_asked(0.0, 20.0)
     assert asked and all(b - a >= duty.BUSY_READ_S - 1e-9 for a, b in zip(asked, asked[1:]))
 
 
