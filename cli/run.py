@@ -7,7 +7,7 @@ import sys
 import click
 
 from hami_bpf.config import (DEFAULT_FALLBACK_DEVICES, DEFAULT_FALLBACK_TOTAL_MEM, DEFAULT_LIB_GRACE_S,
-                             DEFAULT_PIN_DIR, DEFAULT_SM_GIVEBACK_PCT, DEFAULT_SM_HOLD_MS, DEFAULT_SM_HOST_RUN_MS, DEFAULT_SM_TURN_MS, DEFAULT_SOCKET, DEFAULT_STATE_DIR, OOM_ACTIONS,
+                             DEFAULT_PIN_DIR, DEFAULT_SM_GIVEBACK_PCT, DEFAULT_SM_SAMPLE_PCT, DEFAULT_SM_HOLD_MS, DEFAULT_SM_HOST_RUN_MS, DEFAULT_SM_TURN_MS, DEFAULT_SOCKET, DEFAULT_STATE_DIR, OOM_ACTIONS,
                              DaemonConfig, parse_group_by, parse_host_port)
 
 from .common import CliError
@@ -134,7 +134,14 @@ class UnixGroupType(click.ParamType):
                    "(under 5% of its running time inside synchronize calls, as an LLM decode "
                    "loop) runs this share of its running time more, while no other group uses "
                    "its GPU: being held slows such a loop by about that much. 0: held for its "
-                   "cap alone.")
+                   "cap alone. Used until the group's speed is measured (--sm-sample-pct).")
+@click.option("--sm-sample-pct", "sm_sample_pct", type=click.IntRange(0, 25),
+              default=DEFAULT_SM_SAMPLE_PCT, show_default=True,
+              help="A capped group paced by time, alone on its GPU, runs free this share of its "
+                   "running time, 1.5 s at a time, to measure how much it does per second of "
+                   "running while paced against free; it then runs its cap divided by that "
+                   "speed of the time (within 0.87x-1.43x its cap). What a free run owes is "
+                   "held over the seconds after it. 0: never measured.")
 @click.option("--sm-learn-alone/--no-sm-learn-alone", default=True, show_default=True,
               help="Let a newly capped group learn its full rate with the other capped groups "
                    "on its GPU held (at most 2 s; never an uncapped or higher-priority group): "
@@ -162,7 +169,7 @@ class UnixGroupType(click.ParamType):
 @click.option("-v", "--verbose", is_flag=True, help="Log debug details.")
 def run(libcuda, group_by, socket_path, count_launches, policy, env_limits, oom_action,
         metrics_addr, socket_group, demo, state_dir, pin_dir, keep_state, fresh, context_bytes,
-        sm_limits, sm_lend_idle, sm_turns, sm_turn_ms, sm_hold_ms, sm_host_run_ms, sm_giveback_pct, sm_learn_alone, open_gate,
+        sm_limits, sm_lend_idle, sm_turns, sm_turn_ms, sm_hold_ms, sm_host_run_ms, sm_giveback_pct, sm_sample_pct, sm_learn_alone, open_gate,
         hami_regions, fallback_devices, fallback_total_mem, sim_gpu, lib_grace_s, verbose):
     """Start the daemon: attach probes, keep the slot table, serve the socket."""
     if os.geteuid() != 0:
@@ -175,6 +182,7 @@ def run(libcuda, group_by, socket_path, count_launches, policy, env_limits, oom_
                        sm_lend_idle=sm_lend_idle, sm_turns=sm_turns,
                        sm_turn_ms=sm_turn_ms, sm_hold_ms=sm_hold_ms,
                        sm_host_run_ms=sm_host_run_ms, sm_giveback_pct=sm_giveback_pct,
+                       sm_sample_pct=sm_sample_pct,
                        sm_learn_alone=sm_learn_alone, open_gate=open_gate,
                        hami_regions=hami_regions, pin_dir=pin_dir if keep_state else None,
                        fresh=fresh, fallback_devices=fallback_devices,

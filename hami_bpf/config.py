@@ -11,6 +11,7 @@ import stat
 from dataclasses import dataclass
 
 from .sm.duty import HOST_RUN_S, HOST_STOP_SHARE, QUANTUM_S
+from .sm.progress import SAMPLE_SHARE
 from .throttle import TURN_PERIOD_S
 
 DEFAULT_SOCKET = "/run/hami-bpf/hami-bpf.sock"
@@ -20,6 +21,7 @@ DEFAULT_SM_TURN_MS = round(TURN_PERIOD_S * 1000)
 DEFAULT_SM_HOLD_MS = round(QUANTUM_S * 1000)
 DEFAULT_SM_HOST_RUN_MS = round(HOST_RUN_S * 1000)
 DEFAULT_SM_GIVEBACK_PCT = round(HOST_STOP_SHARE * 100)
+DEFAULT_SM_SAMPLE_PCT = round(SAMPLE_SHARE * 100)
 
 GROUP_BY_FIXED = ("cgroup", "pid")
 OOM_ACTIONS = ("auto", "return-oom", "stop-rewrite", "kill", "observe")
@@ -114,6 +116,7 @@ class DaemonConfig:
     sm_hold_ms: int = DEFAULT_SM_HOLD_MS  # running time a synchronizing group owes before it is held
     sm_host_run_ms: int = DEFAULT_SM_HOST_RUN_MS  # a host-paced group runs this long between holds; 0: off
     sm_giveback_pct: int = DEFAULT_SM_GIVEBACK_PCT  # a launch-bound group alone runs this % more; 0: off
+    sm_sample_pct: int = DEFAULT_SM_SAMPLE_PCT  # running time spent free measuring speed; 0: off
     sm_learn_alone: bool = True          # a group learns its rate with its device's capped groups held
     open_gate: bool = True               # hold a process opening a libcuda until that file is probed
     pin_dir: str | None = DEFAULT_PIN_DIR  # bpffs directory the accounting maps are kept in; None = not kept
@@ -136,5 +139,7 @@ class DaemonConfig:
             raise ValueError(f"sm_host_run_ms {self.sm_host_run_ms} is not between 0 and 1000")
         if not 0 <= self.sm_giveback_pct <= 50:
             raise ValueError(f"sm_giveback_pct {self.sm_giveback_pct} is not between 0 and 50")
+        if not 0 <= self.sm_sample_pct <= 25:
+            raise ValueError(f"sm_sample_pct {self.sm_sample_pct} is not between 0 and 25")
         if not 20 <= self.sm_turn_ms <= 1000:
             raise ValueError(f"sm_turn_ms {self.sm_turn_ms} is not between 20 and 1000")

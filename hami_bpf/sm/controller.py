@@ -32,7 +32,7 @@ from ..limits import HAMI_DEFAULT_PRIORITY
 from ..throttle import (BUSY_S, LEARN_IDLE_S, TURN_PERIOD_S, UNLIMITED, Budget, Completions,
                         completion_rate, correct_rate, held_to_cap, neighbours, next_edge,
                         tick as budget_tick)
-from . import duty, guard
+from . import duty, guard, progress
 from .alone import AloneTable
 from .turntable import TurnTable
 
@@ -142,6 +142,7 @@ class Settings:
     hold_s: float = duty.QUANTUM_S  # duty pacing's quantum
     host_run_s: float = duty.HOST_RUN_S
     host_stop_share: float = duty.HOST_STOP_SHARE   # given back to a launch-bound group alone
+    sample_share: float = progress.SAMPLE_SHARE     # running time spent free, measuring speed
     turns: bool = True              # capped groups on one device take turns
     lend_idle: bool = False         # a capped group may use what is idle
     learn_alone: bool = True        # one group at a time learns its rate alone
@@ -150,7 +151,8 @@ class Settings:
     def from_config(cls, cfg) -> "Settings":
         return cls(turn_s=cfg.sm_turn_ms / 1000, hold_s=cfg.sm_hold_ms / 1000,
                    host_run_s=cfg.sm_host_run_ms / 1000,
-                   host_stop_share=cfg.sm_giveback_pct / 100, turns=cfg.sm_turns,
+                   host_stop_share=cfg.sm_giveback_pct / 100,
+                   sample_share=cfg.sm_sample_pct / 100, turns=cfg.sm_turns,
                    lend_idle=cfg.sm_lend_idle, learn_alone=cfg.sm_learn_alone)
 
 
@@ -187,7 +189,8 @@ class SmController:
         self.duty = duty.DutyPacer(quantum_s=settings.hold_s,
                                    max_hold_s=max(duty.MAX_HOLD_S, 2 * settings.hold_s),
                                    host_run_s=settings.host_run_s,
-                                   host_stop_share=settings.host_stop_share)
+                                   host_stop_share=settings.host_stop_share,
+                                   sample_share=settings.sample_share)
         self.guard = guard.Guard()
         self.next_step: float | None = None         # duty pacing's next step
         self._probe_s = 0.0                         # the last observation's probe cost
@@ -503,6 +506,17 @@ class SmController:
             self._record("throttle", "given_back", group=names.get(key[0], str(key[0])),
                          device=key[1], stop_share=share,
                          gpu_busy=None if busy is None else round(busy, 1))
+        for key, sample in d.measured:
+            self._counts["sm_samples_measured"] += 1
+            kd = d.keys[key]
+            self._record("throttle", "speed", group=names.get(key[0], str(key[0])),
+                         device=key[1], free_hz=round(sample.free_hz, 1),
+                         paced_hz=round(sample.paced_hz, 1), ratio=round(sample.ratio, 3),
+                         speed=None if sample.speed is None else round(sample.speed, 3),
+                         run_pct=round(min(caps[key] / (1 - kd.probe_share)
+                                           / (1 - kd.stop_share), 99.0), 1))
+        for key in d.dropped:
+            self._counts["sm_samples_dropped"] += 1
         for key, kd in d.keys.items():
             if kd.mode is not duty.Mode.DUTY:
                 continue

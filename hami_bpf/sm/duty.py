@@ -135,6 +135,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Mapping
 
+from . import progress
+
 QUANTUM_S = 0.05       # debt at which a hold is asked for
 FORCE_AFTER_S = 0.15   # asked this long with no synchronize's return: stop at the next launch
 MAX_HOLD_S = 0.25      # no hold lasts longer, but a host-paced group's (twice its quantum)
@@ -167,6 +169,7 @@ BUSY_WALL_S = 10.0         # ... looking back this far at most
 BUSY_WAIT_S = 3.0          # no reading this long after it looked launch-bound: its synchronize
                            # calls alone decide
 BUSY_READ_S = 0.1          # a device reading for it at most this often
+REPAY_SHARE = 0.25     # a free sample's debt is repaid at this much more per second it runs
 BESIDE_S = 1.0         # a group paced here by its synchronizes, active this recently, paces
                        # its device's groups that synchronize rarely here too
 DUE_EPS_S = 1e-6       # a debt or hold this close to its end has ended (a step at next_step
@@ -227,6 +230,8 @@ class KeyDecision:
     stop_share: float = 0.0     # its running time given back for what being held costs it (launch-bound)
     beside: bool = False        # in DUTY mode only for a neighbour paced by its synchronizes
     busy: float | None = None   # its device's utilization per second it ran, alone there (percent)
+    speed: float | None = None  # its work per second of running paced, against free (measured)
+    sampling: bool = False      # running free to measure its speed (progress.ProgressMeter)
 
 
 @dataclass(frozen=True)
@@ -240,6 +245,10 @@ class Decision:
     slice_changes: tuple[tuple[tuple[int, int], bool, float], ...] = ()
     # (key, its stop_share now) where what it is given back for being held changed
     given_back: tuple[tuple[tuple[int, int], float], ...] = ()
+    # (key, the sample) where a free sample measured a group's speed
+    measured: tuple[tuple[tuple[int, int], progress.Sample], ...] = ()
+    # keys whose free sample was interrupted and measured nothing
+    dropped: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass
@@ -274,6 +283,8 @@ class _Key:
     # device readings while it was alone there: (time, held_s then, the
     # utilization integrated over time up to then, percent-seconds)
     busy_reads: collections.deque = field(default_factory=collections.deque)
+    meter: progress.ProgressMeter = field(default_factory=progress.ProgressMeter)
+    reserve: float = 0.0        # debt of its free samples, repaid over the seconds after
 
     def run_pct(self) -> float:
         """The share of the time (percent) it may run: its cap, plus what
@@ -368,8 +379,10 @@ class DutyPacer:
     """Keeps the books of every capped (group, device); `step` once per tick."""
 
     def __init__(self, quantum_s: float = QUANTUM_S, max_hold_s: float = MAX_HOLD_S,
-                 host_run_s: float = HOST_RUN_S, host_stop_share: float = HOST_STOP_SHARE) -> None:
+                 host_run_s: float = HOST_RUN_S, host_stop_share: float = HOST_STOP_SHARE,
+                 sample_share: float = progress.SAMPLE_SHARE) -> None:
         self.quantum_s = quantum_s
+        self.sample_share = sample_share    # 0: speed never measured (host_stop_share alone)
         self.host_run_s = host_run_s    # 0: a host-paced group is held as any other
         self.host_stop_share = host_stop_share  # 0: nothing given back for being held
         self.max_hold_s = max(max_hold_s, quantum_s)
@@ -404,6 +417,17 @@ class DutyPacer:
     def debt(self, key: tuple[int, int]) -> float | None:
         k = self._keys.get(key)
         return None if k is None else k.debt
+
+    def speed(self, key: tuple[int, int]) -> float | None:
+        """Its work per second of running paced against free, as measured
+        (progress.ProgressMeter); None: not measured."""
+        k = self._keys.get(key)
+        return None if k is None else k.meter.speed
+
+    def reserve(self, key: tuple[int, int]) -> float:
+        """What its free samples ran over its share, still to be held."""
+        k = self._keys.get(key)
+        return 0.0 if k is None else k.reserve
 
     def _quantum(self, k: _Key) -> float:
         """The debt at which a group is asked to stop: how long it is held."""
@@ -452,6 +476,8 @@ class DutyPacer:
         changes: list[tuple[tuple[int, int], Mode]] = []
         slices: list[tuple[tuple[int, int], bool, float]] = []
         given: list[tuple[tuple[int, int], float]] = []
+        measured: list[tuple[tuple[int, int], progress.Sample]] = []
+        dropped: list[tuple[int, int]] = []
         # The groups paced here by their own synchronizes (as of the last
         # step) and when each was last active: beside one of them, on its
         # device, a group that synchronizes rarely is paced here too.
@@ -468,7 +494,8 @@ class DutyPacer:
                 # the probes' entry with it): so do its books.
                 k = None
             if k is None:
-                k = self._keys[key] = _Key(cap=cap, t=now, consumed=u.consumed, syncs=u.syncs)
+                k = self._keys[key] = _Key(cap=cap, t=now, consumed=u.consumed, syncs=u.syncs,
+                                           meter=progress.ProgressMeter(self.sample_share))
                 k.sync_marks.append((now, u.syncs, 0.0, u.launches, u.sync_s))
             k.cap = min(max(cap, 1.0), 99.0)
             dt = min(max(now - k.t, 0.0), MAX_STEP_S)
@@ -529,11 +556,28 @@ class DutyPacer:
                 k.launch_bound = True
             elif window is not None and window[1] >= LAUNCH_SLACK_SHARE or gpu_busy:
                 k.launch_bound = False
-            stop_share = (self.host_stop_share if k.launch_bound and mode is Mode.DUTY
-                          and key not in obs.shared and not by_neighbour else 0.0)
-            if stop_share != k.stop_share:
+            alone = mode is Mode.DUTY and key not in obs.shared and not by_neighbour
+            drops = k.meter.dropped
+            sample = k.meter.step(now, u.launches, k.held_s, alone and k.quiet, held)
+            if sample is not None:
+                measured.append((key, sample))
+            if k.meter.dropped != drops:
+                dropped.append(key)
+            stop_share = (self.host_stop_share if k.launch_bound and alone else 0.0)
+            if stop_share != k.stop_share and k.meter.speed is None:
                 given.append((key, stop_share))
+            if alone and k.quiet and k.meter.speed is not None:
+                # measured: what it does per second of running, against free
+                stop_share = 1.0 - k.meter.speed
             k.stop_share = stop_share
+            if k.meter.sampling:
+                # Run free: what it owes for the sample is repaid after it.
+                k.reserve += max(k.debt, 0.0)
+                k.debt = min(k.debt, 0.0)
+            elif k.reserve > 0 and active and ran > 0:
+                repay = min(k.reserve, ran * k.owes_per_s() * REPAY_SHARE)
+                k.reserve -= repay
+                k.debt += repay
             if mode != k.mode:
                 if mode is Mode.BUDGET and not was_beside:
                     if now - k.since >= BUDGET_STAY_MAX_S:
@@ -542,6 +586,7 @@ class DutyPacer:
                     k.returns += 1
                 k.mode, k.since = mode, now
                 k.debt = min(k.debt, 0.0)
+                k.reserve = 0.0
                 k.asked_since = None
                 changes.append((key, mode))
             elif mode is Mode.DUTY and by_neighbour != was_beside:
@@ -552,7 +597,7 @@ class DutyPacer:
             if said != k.said_host:
                 k.said_host = said
                 slices.append((key, said, quantum))
-            if k.mode is Mode.DUTY and not held and k.debt >= quantum:
+            if k.mode is Mode.DUTY and not held and k.debt >= quantum and not k.meter.sampling:
                 if k.asked_since is None:
                     k.asked_since = now
                 # Paced beside another, it synchronizes rarely: no return to wait for.
@@ -560,7 +605,8 @@ class DutyPacer:
             else:
                 k.asked_since = None
             decisions[key] = KeyDecision(k.mode, ask, k.debt, k.probe_share, k.host_paced, quantum,
-                                         k.stop_share, by_neighbour, busy)
+                                         k.stop_share, by_neighbour, busy,
+                                         k.meter.speed if alone else None, k.meter.sampling)
 
         self._asked = {key[0] for key, d in decisions.items() if d.ask is not Ask.NONE}
         # Devices where a paced group runs now: another paced group there
@@ -591,4 +637,5 @@ class DutyPacer:
                 next_step = due if next_step is None else min(next_step, due)
         return Decision(keys=decisions, release=frozenset(release), cut_short=frozenset(cut),
                         mode_changes=tuple(changes), next_step=next_step,
-                        slice_changes=tuple(slices), given_back=tuple(given))
+                        slice_changes=tuple(slices), given_back=tuple(given),
+                        measured=tuple(measured), dropped=tuple(dropped))

@@ -138,6 +138,29 @@ def load(path: str | Path) -> Recording:
         return from_obj(json.load(f))
 
 
+def repeat_loop(rec: Recording, times: int) -> Recording:
+    """The recording with its timed loop run `times` times over, back to
+    back (what came after the loop is left out): a steady state long enough
+    for what the pacer measures over tens of seconds, from a loop that was
+    recorded for a few."""
+    t0, t1 = rec.loop_start, rec.loop_end
+    if t0 is None or t1 is None or times < 1:
+        raise ValueError("a recording without a timed loop cannot be repeated")
+    span = t1 - t0
+
+    def tiled(rows: list) -> list:
+        """Rows timed by their first field: those before the loop, then the loop's, repeated."""
+        loop = [r for r in rows if t0 <= r[0] < t1]
+        return [r for r in rows if r[0] < t0] + [
+            (r[0] + i * span,) + tuple(r[1:]) for i in range(times) for r in loop]
+    syncs = [r for r in rec.syncs if r[1] < t0]
+    loop_syncs = [r for r in rec.syncs if t0 <= r[1] and r[2] < t1]
+    syncs += [(r[0], r[1] + i * span, r[2] + i * span, r[3])
+              for i in range(times) for r in loop_syncs]
+    launches, nvml = tiled(rec.launches), tiled(rec.nvml)
+    return Recording(rec.header, launches, syncs, nvml, t0, t0 + times * span)
+
+
 def dump(obj: dict, path: str | Path) -> None:
     with gzip.open(path, "wt") as f:
         json.dump(obj, f)

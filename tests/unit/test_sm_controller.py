@@ -13,7 +13,7 @@ from hami_bpf.sm.controller import (Group, Observation, Phase, Settings, SmContr
 from hami_bpf.throttle import UNLIMITED, Budget, correct_rate
 
 DEV = 0
-PLAIN = Settings(turns=False, lend_idle=False, learn_alone=False)
+PLAIN = Settings(turns=False, lend_idle=False, learn_alone=False, sample_share=0.0)
 
 
 def controller(caps: dict[str, int], cfg: Settings = PLAIN) -> SmController:

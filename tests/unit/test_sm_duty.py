@@ -17,8 +17,10 @@ KEY = (0, 0)
 
 def DutyPacer(**kw) -> duty.DutyPacer:
     """The books' tests: nothing given back to a host-paced group for being
-    held (HOST_STOP_SHARE has its own tests below)."""
+    held (HOST_STOP_SHARE has its own tests below), and no free samples
+    (test_sm_progress.py)."""
     kw.setdefault("host_stop_share", 0.0)
+    kw.setdefault("sample_share", 0.0)
     return duty.DutyPacer(**kw)
 
 

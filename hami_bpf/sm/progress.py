@@ -1,0 +1,250 @@
+"""A paced group's speed per second of running, measured against free samples.
+
+Pure: observations in, a measurement out; no I/O, no clock reads.
+
+Why measure it: paced by time, a group does cap% of its uncapped work only
+if it does as much per second of running as it does free, and that is not
+so on real workloads, nor stable. Held by the pacer at cap 50, an LLM decode
+loop did 77-93% of its free work per second of running in one minute and
+101-112% in the next (its thread did less per CPU second; no queue hides a
+launch-bound loop's host); a MobileNet training loop held at cap 75 did
+88% of its uncapped work in 75% of the time (docs/facts.md). A fixed
+allowance is right in one such minute and 10-15 points off in the next.
+
+How: a group alone on its device, paced by time, runs free now and then for
+SAMPLE_S (no holds: what it owes for that time is repaid over the following
+seconds, see duty.DutyPacer), and its launches per second over the sample's
+last SAMPLE_MEASURE_S are its free rate; its launches per second of running
+over its last PACED_WINDOW_S of running before the sample (close to it in
+time: a loop's phases launch at different rates) are its paced rate. Their ratio is its
+speed: run cap / speed of the time and it does cap% of its free work.
+Launches stand for work: a loop repeats its steps, and a step its launches,
+so launches per second are steps per second whatever each launch costs.
+
+The sample's first SAMPLE_S - SAMPLE_MEASURE_S are left out: a held loop
+stays slow for a while after a stop, and the free rate is the loop's own.
+Samples take SAMPLE_SHARE of a group's running time, once it has run
+long enough (the first comes after FIRST_RUN_S of paced running, the next
+after three times that, and so on: the estimate is in use within seconds
+of the group being paced, and averages a few samples within a minute), and
+follow a phase change within SAMPLE_S / SAMPLE_SHARE of running.
+
+Only a loop that spends little of its running time inside synchronize
+calls is measured (duty.LAUNCH_BOUND_SHARE): its launching thread sets its
+pace, and the stops' cost shows there. One that waits for the GPU (a CNN
+training step, an LLM prefill: 17-20% of its time inside synchronize calls)
+did 98-105% of its free work per second of running, held or not, and a free
+sample would only add noise.
+
+Fail safe: a sample with too few launches (a loop that launches a few
+times a second, as a graph replay may) measures nothing; one interrupted
+(a neighbour began to use the device, the group was held, or left DUTY mode)
+is dropped, and so is one the loop changed phase around: its paced rate
+is measured again over as much running after the sample, and the two must
+agree within SAME_PHASE (set-up and warm-up launch at rates far from a
+timed loop's own), and the ratio, against their mean, lie within
+[MIN_RATIO, MAX_RATIO]; after a dropped sample the next comes after
+FIRST_RUN_S of running; estimates lie within [MIN_SPEED, MAX_SPEED], and the speed is the median
+of the last ESTIMATES of them (one odd sample moves it little, two that
+agree all the way). A speed under 1 lets the group run more than its cap's
+share of the time (it errs open); one over 1 runs it less (by at most
+1 - 1/MAX_SPEED), and only where two of those estimates say so.
+"""
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+from enum import Enum
+
+SAMPLE_S = 2.0          # a sample's length, run free
+SAMPLE_MEASURE_S = 1.0  # ... measured over its last this long
+SAMPLE_SHARE = 0.1      # samples' share of a paced group's running time (default)
+FIRST_RUN_S = 1.0       # paced running before the first sample, x3 before each next one
+                        # until the share sets the pace
+PACED_SETTLE_S = 0.3    # after a sample, paced running left out of the paced rate
+PACED_WINDOW_S = 3.0    # the paced rate: over this much running before a sample, at most
+MIN_LAUNCHES = 50       # launches a rate is taken over, at least (each of paced and free)
+MIN_SPEED = 0.7         # the speed, at least (run cap / 0.7 of the time at most)
+MAX_SPEED = 1.15        # ... at most
+ESTIMATES = 3           # the speed: the median of this many last estimates
+MIN_RATIO = 0.5         # a ratio outside these: a phase change, not the stops' cost
+MAX_RATIO = 1.6
+SAME_PHASE = 0.1        # paced rates before and after a sample this close (relative): one phase
+
+
+class Phase(str, Enum):
+    OFF = "off"             # not measured: not alone, or not paced by time
+    PACED = "paced"         # paced: its launches per second of running are counted
+    SAMPLING = "sampling"   # running free: its free launch rate is measured
+    CONFIRMING = "confirming"   # paced after a sample: the same phase still?
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One measurement: launches per second, free and per second of running
+    while paced (before and after the sample); the ratio they gave, and the
+    speed that is now in use."""
+    free_hz: float
+    paced_hz: float
+    ratio: float
+    speed: float | None     # None: a first estimate over 1 leaves it unknown
+    after_hz: float = 0.0
+
+
+class _Window:
+    """Launches per second of running over the last `span` seconds of it."""
+
+    def __init__(self, span: float) -> None:
+        self.span = span
+        self.marks: collections.deque = collections.deque()   # (time, launches, held_s)
+        self.ran = 0.0      # running since cleared
+
+    def clear(self) -> None:
+        self.marks.clear()
+        self.ran = 0.0
+
+    def add(self, now: float, launches: int, held_s: float) -> None:
+        marks = self.marks
+        if marks:
+            self.ran += (now - marks[-1][0]) - (held_s - marks[-1][2])
+        marks.append((now, launches, held_s))
+
+        def ran_from(m: tuple) -> float:
+            return (now - m[0]) - (held_s - m[2])
+        while len(marks) > 2 and ran_from(marks[1]) >= self.span:
+            marks.popleft()
+
+    def rate(self) -> tuple[float, int] | None:
+        """(launches per second of running, launches) over the window."""
+        if len(self.marks) < 2:
+            return None
+        (t0, n0, h0), (t1, n1, h1) = self.marks[0], self.marks[-1]
+        ran = (t1 - t0) - (h1 - h0)
+        return ((n1 - n0) / ran, n1 - n0) if ran > 0 else None
+
+
+class ProgressMeter:
+    """One (group, device)'s speed when paced; `step` once per tick."""
+
+    def __init__(self, share: float = SAMPLE_SHARE) -> None:
+        self.share = share      # 0: never sampled
+        self.phase = Phase.OFF
+        self.speed: float | None = None     # None until a sample measured it
+        self.samples = 0
+        self.dropped = 0
+        self._paced = _Window(PACED_WINDOW_S)
+        self._retry = False                 # the last sample was dropped: the next one soon
+        self._settle_until = 0.0
+        self._since = 0.0                   # phase began
+        self._free_mark: tuple[float, int] | None = None
+        self._held_at_sample = 0.0
+        self._before = (0.0, 0.0)           # (paced rate, running it was taken over)
+        self._free_hz = 0.0
+        self._estimates: collections.deque = collections.deque(maxlen=ESTIMATES)
+
+    @property
+    def sampling(self) -> bool:
+        return self.phase is Phase.SAMPLING
+
+    def _to(self, phase: Phase, now: float, launches: int, held_s: float,
+            settle: float = 0.0) -> None:
+        self.phase, self._since = phase, now
+        self._settle_until = now + settle
+        self._paced.clear()
+        self._paced.add(now, launches, held_s)
+
+    def _drop(self) -> None:
+        self.dropped += 1
+        self._retry = True
+
+    def _due(self) -> float:
+        """Paced running before the next sample."""
+        if self._retry:
+            return FIRST_RUN_S
+        return min(FIRST_RUN_S * 3 ** self.samples, SAMPLE_S * (1.0 / self.share - 1.0))
+
+    def step(self, now: float, launches: int, held_s: float, measured: bool,
+             held: bool = False) -> Sample | None:
+        """`launches`: launches counted so far; `held_s`: time held so far;
+        `measured`: alone on its device, paced by time, and launch-bound;
+        `held`: held now (a sample starts once it runs). A Sample when one
+        measured the group's speed."""
+        if not measured or self.share <= 0:
+            if self.phase in (Phase.SAMPLING, Phase.CONFIRMING):
+                self._drop()
+            self.phase = Phase.OFF
+            self._paced.clear()
+            return None
+        if self.phase is Phase.OFF:
+            self._to(Phase.PACED, now, launches, held_s)
+            return None
+        if self.phase is Phase.SAMPLING:
+            return self._sampling(now, launches, held_s)
+        w = self._paced
+        if now < self._settle_until:
+            w.clear()
+        w.add(now, launches, held_s)
+        r = w.rate()
+        if self.phase is Phase.PACED:
+            if r is None or w.ran < self._due() or held:
+                return None
+            if r[1] < MIN_LAUNCHES:
+                w.clear()       # too few to tell: count afresh
+                return None
+            self._before = (r[0], min(w.ran, PACED_WINDOW_S))
+            self.phase, self._since = Phase.SAMPLING, now
+            self._free_mark, self._held_at_sample = None, held_s
+            return None
+        # CONFIRMING: as much paced running after the sample as before it
+        if r is None or w.ran < self._before[1]:
+            return None
+        self._to(Phase.PACED, now, launches, held_s)
+        before, after = self._before[0], r[0]
+        paced = (before + after) / 2
+        ratio = paced / self._free_hz
+        if (r[1] < MIN_LAUNCHES or abs(before - after) > SAME_PHASE * paced
+                or not MIN_RATIO <= ratio <= MAX_RATIO):
+            self._drop()
+            return None
+        self._retry = False
+        self.samples += 1
+        self._estimate(min(max(ratio, MIN_SPEED), MAX_SPEED))
+        return Sample(free_hz=self._free_hz, paced_hz=before, ratio=ratio, speed=self.speed,
+                      after_hz=after)
+
+    def _estimate(self, est: float) -> None:
+        """The speed: the median of the last ESTIMATES estimates (the mean
+        of two), so that one odd sample moves it little and two agreeing
+        ones move it all the way; over 1 (the group runs under its cap's
+        share) only where at least two say so, and a first estimate over 1
+        leaves the speed unknown."""
+        self._estimates.append(est)
+        e = sorted(self._estimates)
+        speed = e[len(e) // 2] if len(e) % 2 else (e[len(e) // 2 - 1] + e[len(e) // 2]) / 2
+        if speed > 1.0 and sum(1 for x in e if x > 1.0) < 2:
+            # one says it runs faster paced than free: not enough to run it
+            # under its cap's share, nor to drop what was known
+            speed = 1.0 if self.speed is None or self.speed > 1.0 else self.speed
+            if len(e) == 1:
+                return
+        self.speed = speed
+
+    def _sampling(self, now: float, launches: int, held_s: float) -> None:
+        if held_s > self._held_at_sample + 1e-9:
+            self._drop()        # held by someone else's rule: not free
+            self._to(Phase.PACED, now, launches, held_s, PACED_SETTLE_S)
+            return None
+        if self._free_mark is None:
+            if now - self._since >= SAMPLE_S - SAMPLE_MEASURE_S:
+                self._free_mark = (now, launches)
+            return None
+        if now - self._since < SAMPLE_S:
+            return None
+        t1, n1 = self._free_mark
+        if launches - n1 < MIN_LAUNCHES or now <= t1:
+            self._drop()
+            self._to(Phase.PACED, now, launches, held_s, PACED_SETTLE_S)
+            return None
+        self._free_hz = (launches - n1) / (now - t1)
+        self._to(Phase.CONFIRMING, now, launches, held_s, PACED_SETTLE_S)
+        return None
