@@ -7,27 +7,28 @@ if it does as much per second of running as it does free, and that is not
 so on real workloads, nor stable. Held by the pacer at cap 50, an LLM decode
 loop did 77-93% of its free work per second of running in one minute and
 101-112% in the next (its thread did less per CPU second; no queue hides a
-launch-bound loop's host); a MobileNet training loop held at cap 75 did
-88% of its uncapped work in 75% of the time (docs/facts.md). A fixed
-allowance is right in one such minute and 10-15 points off in the next.
+launch-bound loop's host: docs/facts.md). A fixed allowance is right in one
+such minute and 10-15 points off in the next.
 
 How: a group alone on its device, paced by time, runs free now and then for
 SAMPLE_S (no holds: what it owes for that time is repaid over the following
 seconds, see duty.DutyPacer), and its launches per second over the sample's
 last SAMPLE_MEASURE_S are its free rate; its launches per second of running
 over its last PACED_WINDOW_S of running before the sample (close to it in
-time: a loop's phases launch at different rates) are its paced rate. Their ratio is its
-speed: run cap / speed of the time and it does cap% of its free work.
+time: a loop's phases launch at different rates) are its paced rate. Their
+ratio is its speed: run cap / speed of the time and it does cap% of its
+free work.
 Launches stand for work: a loop repeats its steps, and a step its launches,
 so launches per second are steps per second whatever each launch costs.
 
 The sample's first SAMPLE_S - SAMPLE_MEASURE_S are left out: a held loop
 stays slow for a while after a stop, and the free rate is the loop's own.
-Samples take SAMPLE_SHARE of a group's running time, once it has run
-long enough (the first comes after FIRST_RUN_S of paced running, the next
-after three times that, and so on: the estimate is in use within seconds
-of the group being paced, and averages a few samples within a minute), and
-follow a phase change within SAMPLE_S / SAMPLE_SHARE of running.
+Samples take SAMPLE_SHARE of a group's running time: the first comes after
+FIRST_RUN_S of paced running (the estimate is in use within seconds of the
+group being paced), the next after RUN_GROWTH times as much (a first
+sample taken in a warm-up is soon outvoted), and so on until they are
+SAMPLE_S / SAMPLE_SHARE of running apart (a phase change is followed within
+that); after a dropped sample the next comes after FIRST_RUN_S again.
 
 Only a loop that spends little of its running time inside synchronize
 calls is measured (duty.LAUNCH_BOUND_SHARE): its launching thread sets its
@@ -43,10 +44,9 @@ is dropped, and so is one the loop changed phase around: its paced rate
 is measured again over as much running after the sample, and the two must
 agree within SAME_PHASE (set-up and warm-up launch at rates far from a
 timed loop's own), and the ratio, against their mean, lie within
-[MIN_RATIO, MAX_RATIO]; after a dropped sample the next comes after
-FIRST_RUN_S of running; estimates lie within [MIN_SPEED, MAX_SPEED], and the speed is the median
-of the last ESTIMATES of them (one odd sample moves it little, two that
-agree all the way). A speed under 1 lets the group run more than its cap's
+[MIN_RATIO, MAX_RATIO]. Estimates lie within [MIN_SPEED, MAX_SPEED], and
+the speed is the median of the last ESTIMATES of them (one odd sample moves
+it little, two that agree all the way). A speed under 1 lets the group run more than its cap's
 share of the time (it errs open); one over 1 runs it less (by at most
 1 - 1/MAX_SPEED), and only where two of those estimates say so.
 """
@@ -59,8 +59,9 @@ from enum import Enum
 SAMPLE_S = 2.0          # a sample's length, run free
 SAMPLE_MEASURE_S = 1.0  # ... measured over its last this long
 SAMPLE_SHARE = 0.1      # samples' share of a paced group's running time (default)
-FIRST_RUN_S = 1.0       # paced running before the first sample, x3 before each next one
-                        # until the share sets the pace
+FIRST_RUN_S = 1.0       # paced running before the first sample, and after a dropped one
+RUN_GROWTH = 3.0        # ... and RUN_GROWTH times as long before each next one, until the
+                        # share sets the pace
 PACED_SETTLE_S = 0.3    # after a sample, paced running left out of the paced rate
 PACED_WINDOW_S = 3.0    # the paced rate: over this much running before a sample, at most
 MIN_LAUNCHES = 50       # launches a rate is taken over, at least (each of paced and free)
@@ -158,10 +159,13 @@ class ProgressMeter:
         self._retry = True
 
     def _due(self) -> float:
-        """Paced running before the next sample."""
+        """Paced running before the next sample: FIRST_RUN_S before the first
+        and after a dropped one, RUN_GROWTH times as long after each one that
+        measured, until the share sets the pace."""
+        steady = SAMPLE_S * (1.0 / self.share - 1.0)
         if self._retry:
-            return FIRST_RUN_S
-        return min(FIRST_RUN_S * 3 ** self.samples, SAMPLE_S * (1.0 / self.share - 1.0))
+            return min(FIRST_RUN_S, steady)
+        return min(FIRST_RUN_S * RUN_GROWTH ** self.samples, steady)
 
     def step(self, now: float, launches: int, held_s: float, measured: bool,
              held: bool = False) -> Sample | None:
@@ -216,17 +220,18 @@ class ProgressMeter:
         """The speed: the median of the last ESTIMATES estimates (the mean
         of two), so that one odd sample moves it little and two agreeing
         ones move it all the way; over 1 (the group runs under its cap's
-        share) only where at least two say so, and a first estimate over 1
+        share) only where at least two say so; a first estimate over 1
         leaves the speed unknown."""
         self._estimates.append(est)
         e = sorted(self._estimates)
         speed = e[len(e) // 2] if len(e) % 2 else (e[len(e) // 2 - 1] + e[len(e) // 2]) / 2
         if speed > 1.0 and sum(1 for x in e if x > 1.0) < 2:
             # one says it runs faster paced than free: not enough to run it
-            # under its cap's share, nor to drop what was known
-            speed = 1.0 if self.speed is None or self.speed > 1.0 else self.speed
+            # under its cap's share, nor (a first one, often taken in a
+            # warm-up) to take back what it is given for being held
             if len(e) == 1:
                 return
+            speed = 1.0 if self.speed is None or self.speed > 1.0 else self.speed
         self.speed = speed
 
     def _sampling(self, now: float, launches: int, held_s: float) -> None:
