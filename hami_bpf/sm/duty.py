@@ -99,6 +99,14 @@ next to a decode loop at 70 given it back made 20.4% of its speed). One
 that loses nothing runs that much over its cap (errs open, where it costs no
 one); one that loses what the decode loop did lands on it. How much a held
 decode loop loses changes from run to run on the H200 VM (0-23%).
+So that share is a first guess. A quiet group alone on its device (under
+LAUNCH_BOUND_SHARE inside synchronize calls, until LAUNCH_SLACK_SHARE) has
+its speed measured (sm.progress: now and then it runs free, asked for no
+hold, KeyDecision.sampling), and once known it runs cap / speed of the
+time (stop_share = 1 - speed, below 0 where it does more paced than free).
+What a sample ran over its share is kept apart (_Key.reserve) and added
+to its debt at REPAY_SHARE more per second it runs: its holds keep their
+length, and its share holds over the seconds after.
 
 Little time inside synchronize calls does not always mean a GPU idle by the
 time the loop asks: a loop whose launch queue is full waits inside its
@@ -280,6 +288,7 @@ class _Key:
     launch_bound: bool = False  # under LAUNCH_BOUND_SHARE inside synchronize calls (last window)
     quiet: bool = False         # ... in the last window, whatever the device said
     quiet_since: float = 0.0    # ... since (or since a neighbour was last seen)
+    sampled: bool = False       # quiet, until LAUNCH_SLACK_SHARE: its speed is measured
     # device readings while it was alone there: (time, held_s then, the
     # utilization integrated over time up to then, percent-seconds)
     busy_reads: collections.deque = field(default_factory=collections.deque)
@@ -549,6 +558,10 @@ class DutyPacer:
                 if quiet and not k.quiet or key in obs.shared:
                     k.quiet_since = now
                 k.quiet = quiet
+                if quiet:
+                    k.sampled = True
+                elif window[1] >= LAUNCH_SLACK_SHARE:
+                    k.sampled = False
             # Not before the device has been read, or no reading came: the
             # synchronize calls alone decide then.
             known = busy is not None or not k.busy_reads and now - k.quiet_since >= BUSY_WAIT_S
@@ -558,17 +571,17 @@ class DutyPacer:
                 k.launch_bound = False
             alone = mode is Mode.DUTY and key not in obs.shared and not by_neighbour
             drops = k.meter.dropped
-            sample = k.meter.step(now, u.launches, k.held_s, alone and k.quiet, held)
+            sample = k.meter.step(now, u.launches, k.held_s, alone and k.sampled, held)
             if sample is not None:
                 measured.append((key, sample))
             if k.meter.dropped != drops:
                 dropped.append(key)
             stop_share = (self.host_stop_share if k.launch_bound and alone else 0.0)
-            if stop_share != k.stop_share and k.meter.speed is None:
-                given.append((key, stop_share))
-            if alone and k.quiet and k.meter.speed is not None:
+            if alone and k.sampled and k.meter.speed is not None:
                 # measured: what it does per second of running, against free
                 stop_share = 1.0 - k.meter.speed
+            if stop_share != k.stop_share and sample is None:
+                given.append((key, stop_share))     # a measurement says so itself
             k.stop_share = stop_share
             if k.meter.sampling:
                 # Run free: what it owes for the sample is repaid after it.

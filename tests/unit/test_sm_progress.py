@@ -293,3 +293,39 @@ def test_without_samples_a_fixed_allowance_misses_the_cap_either_way(speed):
     fixed = slowed("llm_decode", 50, speed, 0.0)
     print(fixed.line())
     assert abs(100 * fixed.loop_mean - 50) > TOLERANCE_PTS, fixed.line()
+
+
+def test_a_measured_speed_is_given_while_alone_and_said_when_a_neighbour_takes_it_away():
+    p = duty.DutyPacer(host_stop_share=0.0)
+    t, launches, syncs, held_since, sampling = 0.0, 0, 0, None, False
+    given, measured, runs = [], [], []
+
+    def tick(shared: bool) -> None:
+        nonlocal t, launches, syncs, held_since, sampling
+        t += TICK
+        if held_since is None:
+            launches += 100 if sampling else 80    # paced, it does 80% per second of running
+            syncs += 1
+        d = p.step(duty.Observation(
+            now=t, caps={KEY: 50.0}, use={KEY: duty.Use(launches, syncs, 0, launches, 0.0)},
+            held={0: held_since} if held_since is not None else {},
+            shared=frozenset({KEY}) if shared else frozenset()))
+        k = d.keys[KEY]
+        sampling = k.sampling
+        given.extend(share for _key, share in d.given_back)
+        measured.extend(s for _key, s in d.measured)
+        runs.append(k.stop_share)
+        if 0 in d.release:
+            held_since = None
+        elif k.ask is not duty.Ask.NONE and held_since is None:
+            held_since = t
+    while not measured:
+        tick(False)
+    assert measured[0].ratio == pytest.approx(0.8, abs=0.03)
+    assert runs[-1] == pytest.approx(0.2, abs=0.03) and given == []
+    for _ in range(100):
+        tick(True)      # another group launches on the device: its time, not ours
+    assert given == [0.0] and runs[-1] == 0.0
+    for _ in range(100):
+        tick(False)
+    assert len(given) == 2 and given[1] == pytest.approx(0.2, abs=0.03)
