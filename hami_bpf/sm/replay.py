@@ -52,10 +52,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from . import duty
+from . import duty, progress
 from .workload import (  # noqa: F401 - the recording and its model, re-exported
     _EPS, FLOOR_MAX_S, LAUNCH, SYNC, WAIT_EPS_S, Recording, Thread, Workload, dump, fit,
-    from_obj, load)
+    from_obj, load, repeat_loop)
 
 TICK_S = 0.01          # the daemon's tick
 MIN_STEP_S = 1e-6      # a requested step no sooner than this after the last one
@@ -471,11 +471,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="the host program runs slower for a while after each stop (COLD_MEASURED)")
     ap.add_argument("--held", action="store_true",
                     help="the host program runs slower whenever it is held at all (HELD_MEASURED)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run a recording's timed loop this many times over (workload.repeat_loop)")
+    ap.add_argument("--sample-pct", type=float, default=100 * progress.SAMPLE_SHARE,
+                    help="running time a launch-bound group runs free to measure its speed; 0: none")
     a = ap.parse_args(argv)
     cold = HELD_MEASURED if a.held else COLD_MEASURED if a.cold else None
     caps = [float(c) for c in a.caps.split(",") if c]
     if a.traces:
         recs = [load(p) for p in a.traces]
+        recs = [repeat_loop(r, a.repeat) if a.repeat > 1 and r.loop_start is not None else r
+                for r in recs]
     else:
         from . import synth
         recs = [from_obj(gen()) for gen in synth.WORKLOADS.values()]
@@ -489,7 +495,8 @@ def main(argv: list[str] | None = None) -> int:
               + (f", timed loop {rec.loop_start:.2f}-{rec.loop_end:.2f} s"
                  if rec.loop_start is not None else ""))
         for cap in caps:
-            run = replay_capped(wl, cap, horizon=a.horizon, cold=cold)
+            run = replay_capped(wl, cap, horizon=a.horizon, cold=cold,
+                                pacer=duty.DutyPacer(sample_share=a.sample_pct / 100))
             print("  " + compare(run, base, (rec.loop_start, rec.loop_end)).line())
     return 0
 
