@@ -511,7 +511,8 @@ class SmController:
             kd = d.keys[key]
             self._record("throttle", "speed", group=names.get(key[0], str(key[0])),
                          device=key[1], free_hz=round(sample.free_hz, 1),
-                         paced_hz=round(sample.paced_hz, 1), ratio=round(sample.ratio, 3),
+                         paced_hz=round(sample.paced_hz, 1),
+                         after_hz=round(sample.after_hz, 1), ratio=round(sample.ratio, 3),
                          speed=None if sample.speed is None else round(sample.speed, 3),
                          run_pct=round(min(caps[key] / (1 - kd.probe_share)
                                            / (1 - kd.stop_share), 99.0), 1))

@@ -237,6 +237,8 @@ def test_the_controller_says_what_a_sample_measured():
     assert e["ratio"] == pytest.approx(1.0, abs=0.02) and e["speed"] == pytest.approx(1.0, abs=0.02)
     assert e["run_pct"] == pytest.approx(50.0, abs=1.0)
     assert e["free_hz"] == pytest.approx(1000, rel=0.05)
+    # the paced rate before the sample and after it, which agreed
+    assert e["paced_hz"] == pytest.approx(e["after_hz"], rel=0.1)
     assert counts["sm_samples_measured"] == len(seen)
 
 
