@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from hami_bpf.sm import duty, progress, replay, workload
-from hami_bpf.sm.controller import Observation, SmController, SmUse
+from hami_bpf.sm.controller import SmController
 from hami_bpf.sm.progress import Phase, ProgressMeter
 
 TICK = 0.01
@@ -92,7 +92,7 @@ def test_a_loop_that_changes_phase_around_a_sample_is_not_measured():
     while m.sampling:
         loop.step(m)
     loop.paced_hz = 4000        # after the sample, another phase
-    assert loop.run(m, 6.0) == [] or m.dropped >= 1
+    assert loop.run(m, 6.0) == []
     assert m.dropped >= 1 and m.speed is None
 
 
