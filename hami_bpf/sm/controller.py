@@ -508,14 +508,12 @@ class SmController:
                          gpu_busy=None if busy is None else round(busy, 1))
         for key, sample in d.measured:
             self._counts["sm_samples_measured"] += 1
-            kd = d.keys[key]
             self._record("throttle", "speed", group=names.get(key[0], str(key[0])),
                          device=key[1], free_hz=round(sample.free_hz, 1),
                          paced_hz=round(sample.paced_hz, 1),
                          after_hz=round(sample.after_hz, 1), ratio=round(sample.ratio, 3),
                          speed=None if sample.speed is None else round(sample.speed, 3),
-                         run_pct=round(min(caps[key] / (1 - kd.probe_share)
-                                           / (1 - kd.stop_share), 99.0), 1))
+                         run_pct=round(d.keys[key].run_pct, 1))
         for key in d.dropped:
             self._counts["sm_samples_dropped"] += 1
         for key, kd in d.keys.items():

@@ -240,6 +240,7 @@ class KeyDecision:
     busy: float | None = None   # its device's utilization per second it ran, alone there (percent)
     speed: float | None = None  # its work per second of running paced, against free (measured)
     sampling: bool = False      # running free to measure its speed (progress.ProgressMeter)
+    run_pct: float = 0.0        # the share of the time (percent) it may run (_Key.run_pct)
 
 
 @dataclass(frozen=True)
@@ -619,7 +620,8 @@ class DutyPacer:
                 k.asked_since = None
             decisions[key] = KeyDecision(k.mode, ask, k.debt, k.probe_share, k.host_paced, quantum,
                                          k.stop_share, by_neighbour, busy,
-                                         k.meter.speed if alone else None, k.meter.sampling)
+                                         k.meter.speed if alone else None, k.meter.sampling,
+                                         k.run_pct())
 
         self._asked = {key[0] for key, d in decisions.items() if d.ask is not Ask.NONE}
         # Devices where a paced group runs now: another paced group there

@@ -46,13 +46,15 @@ agree within SAME_PHASE (set-up and warm-up launch at rates far from a
 timed loop's own), and the ratio, against their mean, lie within
 [MIN_RATIO, MAX_RATIO]. Estimates lie within [MIN_SPEED, MAX_SPEED], and
 the speed is the median of the last ESTIMATES of them (one odd sample moves
-it little, two that agree all the way). A speed under 1 lets the group run more than its cap's
-share of the time (it errs open); one over 1 runs it less (by at most
-1 - 1/MAX_SPEED), and only where two of those estimates say so.
+it little, two that agree all the way). A speed under 1 lets the group run
+more than its cap's share of the time (it errs open); one over 1 runs it
+less (by at most 1 - 1/MAX_SPEED), and only where two of those estimates
+say so.
 """
 from __future__ import annotations
 
 import collections
+import statistics
 from dataclasses import dataclass
 from enum import Enum
 
@@ -92,6 +94,11 @@ class Sample:
     after_hz: float = 0.0
 
 
+def _ran(mark: tuple, now: float, held_s: float) -> float:
+    """Seconds run (wall time less time held) since a (time, launches, held_s) mark."""
+    return (now - mark[0]) - (held_s - mark[2])
+
+
 class _Window:
     """Launches per second of running over the last `span` seconds of it."""
 
@@ -107,21 +114,18 @@ class _Window:
     def add(self, now: float, launches: int, held_s: float) -> None:
         marks = self.marks
         if marks:
-            self.ran += (now - marks[-1][0]) - (held_s - marks[-1][2])
+            self.ran += _ran(marks[-1], now, held_s)
         marks.append((now, launches, held_s))
-
-        def ran_from(m: tuple) -> float:
-            return (now - m[0]) - (held_s - m[2])
-        while len(marks) > 2 and ran_from(marks[1]) >= self.span:
+        while len(marks) > 2 and _ran(marks[1], now, held_s) >= self.span:
             marks.popleft()
 
     def rate(self) -> tuple[float, int] | None:
         """(launches per second of running, launches) over the window."""
         if len(self.marks) < 2:
             return None
-        (t0, n0, h0), (t1, n1, h1) = self.marks[0], self.marks[-1]
-        ran = (t1 - t0) - (h1 - h0)
-        return ((n1 - n0) / ran, n1 - n0) if ran > 0 else None
+        first, (t1, n1, h1) = self.marks[0], self.marks[-1]
+        ran = _ran(first, t1, h1)
+        return ((n1 - first[1]) / ran, n1 - first[1]) if ran > 0 else None
 
 
 class ProgressMeter:
@@ -223,8 +227,8 @@ class ProgressMeter:
         share) only where at least two say so; a first estimate over 1
         leaves the speed unknown."""
         self._estimates.append(est)
-        e = sorted(self._estimates)
-        speed = e[len(e) // 2] if len(e) % 2 else (e[len(e) // 2 - 1] + e[len(e) // 2]) / 2
+        e = self._estimates
+        speed = statistics.median(e)
         if speed > 1.0 and sum(1 for x in e if x > 1.0) < 2:
             # one says it runs faster paced than free: not enough to run it
             # under its cap's share, nor (a first one, often taken in a
