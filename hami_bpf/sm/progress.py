@@ -48,8 +48,9 @@ timed loop's own), and the ratio, against their mean, lie within
 the speed is the median of the last ESTIMATES of them (one odd sample moves
 it little, two that agree all the way). A speed under 1 lets the group run
 more than its cap's share of the time (it errs open); one over 1 runs it
-less (by at most 1 - 1/MAX_SPEED), and only where two of those estimates
-say so.
+less (by at most 1 - 1/MAX_SPEED), only where two of those estimates say
+so, and by no more than the least of those over 1 says (an odd high one,
+from a free second the host ran slow, is as common as an odd low one).
 """
 from __future__ import annotations
 
@@ -229,13 +230,18 @@ class ProgressMeter:
         self._estimates.append(est)
         e = self._estimates
         speed = statistics.median(e)
-        if speed > 1.0 and sum(1 for x in e if x > 1.0) < 2:
+        over = [x for x in e if x > 1.0]
+        if speed > 1.0 and len(over) < 2:
             # one says it runs faster paced than free: not enough to run it
             # under its cap's share, nor (a first one, often taken in a
             # warm-up) to take back what it is given for being held
             if len(e) == 1:
                 return
             speed = 1.0 if self.speed is None or self.speed > 1.0 else self.speed
+        elif speed > 1.0:
+            # under its cap's share by no more than the least of them says:
+            # an odd high sample (a free second the host ran slow) is common
+            speed = min(over)
         self.speed = speed
 
     def _sampling(self, now: float, launches: int, held_s: float) -> None:

@@ -149,6 +149,20 @@ def test_one_odd_sample_moves_the_speed_little():
     assert m.speed == pytest.approx(0.8, abs=0.02)
 
 
+def test_over_one_the_group_runs_under_its_cap_by_no_more_than_the_least_estimate_says():
+    m = ProgressMeter()
+    # an odd high sample (clamped to MAX_SPEED) and one barely over 1: the
+    # median of the two would run the group 5 points under a cap of 75
+    m._estimate(progress.MAX_SPEED)
+    assert m.speed is None
+    m._estimate(1.01)
+    assert m.speed == pytest.approx(1.01)
+    m._estimate(0.9)                # the median of three is back under 1
+    assert m.speed == pytest.approx(1.01)
+    m._estimate(0.95)
+    assert m.speed == pytest.approx(0.95)
+
+
 @settings(max_examples=40, deadline=None)
 @given(paced=st.floats(20000, 100000), free=st.floats(20000, 100000),
        held=st.floats(0.1, 0.8))

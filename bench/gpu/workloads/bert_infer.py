@@ -1,0 +1,58 @@
+#!/usr/bin/env python3
+"""bert_infer: an encoder serving batches, as a classification or embedding service runs.
+
+A transformers BertModel built from a BertConfig (random weights; base size by
+default: hidden 768, 12 layers, 12 heads), fp16, no grad. Each step encodes a
+batch of --batch sequences of --seq tokens with a padding mask, pools the
+first token and reads the pooled vectors' argmax back to the host (.tolist():
+a synchronize per batch). GPU-bound. Unit: sequences/s.
+"""
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+from transformers import BertConfig, BertModel  # noqa: E402
+
+from common import Reporter, parser, ready_start, wait_go  # noqa: E402
+
+
+def main():
+    ap = parser(__doc__)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--hidden", type=int, default=768)
+    a = ap.parse_args()
+    wait_go(a)
+    cfg = BertConfig(hidden_size=a.hidden, num_hidden_layers=a.layers,
+                     num_attention_heads=max(1, a.hidden // 64), intermediate_size=4 * a.hidden)
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    with torch.device(dev):
+        model = BertModel(cfg)
+    model = model.to(dtype=torch.float16).eval()
+    params = sum(p.numel() for p in model.parameters())
+    ids = torch.randint(0, cfg.vocab_size, (a.batch, a.seq), device=dev)
+    lengths = torch.randint(a.seq // 4, a.seq + 1, (a.batch, 1), device=dev)
+    mask = (torch.arange(a.seq, device=dev)[None, :] < lengths).long()
+
+    @torch.no_grad()
+    def step():
+        out = model(input_ids=ids, attention_mask=mask)
+        return out.last_hidden_state[:, 0].argmax(-1).tolist()
+
+    for _ in range(3):
+        step()
+    ready_start(a)
+    rep = Reporter("bert_infer", "sequences/s", a.seconds)
+    rep.begin()
+    while not rep.done():
+        step()
+        rep.add(a.batch)
+    rep.finish(params=params, batch=a.batch, seq=a.seq)
+
+
+if __name__ == "__main__":
+    main()
