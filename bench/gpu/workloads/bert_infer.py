@@ -15,7 +15,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch  # noqa: E402
 from transformers import BertConfig, BertModel  # noqa: E402
 
-from common import Reporter, parser, ready_start, wait_go  # noqa: E402
+from common import parser, run_steps, wait_go  # noqa: E402
 
 
 def main():
@@ -43,15 +43,8 @@ def main():
         out = model(input_ids=ids, attention_mask=mask)
         return out.last_hidden_state[:, 0].argmax(-1).tolist()
 
-    for _ in range(3):
-        step()
-    ready_start(a)
-    rep = Reporter("bert_infer", "sequences/s", a.seconds)
-    rep.begin()
-    while not rep.done():
-        step()
-        rep.add(a.batch)
-    rep.finish(params=params, batch=a.batch, seq=a.seq)
+    run_steps(a, "bert_infer", "sequences/s", step, units=a.batch,
+              params=params, batch=a.batch, seq=a.seq)
 
 
 if __name__ == "__main__":

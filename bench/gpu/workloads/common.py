@@ -148,3 +148,21 @@ class Reporter:
         if self.trace_path:
             with open(self.trace_path, "w") as f:
                 json.dump({"t": self.trace_t, "n": self.trace_n}, f)
+
+
+def run_steps(a, name: str, unit: str, step, units: float = 1, warmup: int = 3, **extra) -> None:
+    """The plain timed loop: `warmup` calls of `step` (then a synchronize, so
+    nothing of them is queued), the start hand-off, then `step` until the
+    loop's seconds are up, counting `units` per call; the summary carries
+    `extra`."""
+    import torch
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    ready_start(a)
+    rep = Reporter(name, unit, a.seconds)
+    rep.begin()
+    while not rep.done():
+        step()
+        rep.add(units)
+    rep.finish(**extra)

@@ -11,7 +11,7 @@ loss back (.item()). Unit: steps/s.
 """
 import torch
 
-from common import Reporter, parser, ready_start, wait_go
+from common import parser, run_steps, wait_go
 from phased import lm_arguments, lm_setup
 
 
@@ -34,16 +34,8 @@ def main():
         opt.step()
         return loss.item()
 
-    for _ in range(a.warmup):
-        step()
-    torch.cuda.synchronize()
-    ready_start(a)
-    rep = Reporter("compiled_train", "steps/s", a.seconds)
-    rep.begin()
-    while not rep.done():
-        step()
-        rep.add(1)
-    rep.finish(layers=a.layers, width=a.width, batch=a.batch, seq=a.seq, mode=a.mode)
+    run_steps(a, "compiled_train", "steps/s", step, warmup=a.warmup,
+              layers=a.layers, width=a.width, batch=a.batch, seq=a.seq, mode=a.mode)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ torch.cuda.synchronize() after each step. Compute-bound. Unit: sequences/s.
 """
 import torch
 
-from common import Reporter, parser, ready_start, wait_go
+from common import parser, run_steps, wait_go
 from llm_common import add_model_args, build_llama
 
 
@@ -27,15 +27,8 @@ def main():
         model(input_ids=ids, use_cache=False)
         torch.cuda.synchronize()
 
-    for _ in range(2):
-        step()
-    ready_start(a)
-    rep = Reporter("llm_prefill", "sequences/s", a.seconds)
-    rep.begin()
-    while not rep.done():
-        step()
-        rep.add(a.batch)
-    rep.finish(params=params, batch=a.batch, seq=a.seq)
+    run_steps(a, "llm_prefill", "sequences/s", step, units=a.batch, warmup=2,
+              params=params, batch=a.batch, seq=a.seq)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ and normalized on the GPU. Unit: steps/s.
 import torch
 import torchvision
 
-from common import Reporter, parser, ready_start, wait_go
+from common import parser, run_steps, wait_go
 
 
 class Images(torch.utils.data.IterableDataset):
@@ -67,16 +67,8 @@ def main():
         scaler.step(opt)
         scaler.update()
 
-    for _ in range(8):
-        step()
-    torch.cuda.synchronize()
-    ready_start(a)
-    rep = Reporter("loader_train", "steps/s", a.seconds)
-    rep.begin()
-    while not rep.done():
-        step()
-        rep.add(1)
-    rep.finish(arch=a.arch, batch=a.batch, size=a.size, workers=a.workers)
+    run_steps(a, "loader_train", "steps/s", step, warmup=8,
+              arch=a.arch, batch=a.batch, size=a.size, workers=a.workers)
 
 
 if __name__ == "__main__":
