@@ -9,6 +9,15 @@ prints them (the synthetic workloads of hami_bpf.sm.synth without a trace).
 
 The recording format and the workload model are in hami_bpf.sm.workload.
 
+Pairs
+  `replay_pair` runs several recordings at once on one modelled GPU, which
+  runs their work in the order it was launched (processes running at once
+  slow each other, as time-slicing does, less its switches), each its own
+  group under one pacer (PairController: the daemon's view of each group,
+  and which ones share the device); `compare_pair` judges each against its
+  own replay alone over the seconds all their timed loops ran.
+  `python3 -m hami_bpf.sm.replay A.json.gz B.json.gz --pair 30:70,50:50`.
+
 The controller
   Stepped every TICK_S of virtual time and at the next_step it asks for,
   with what the probes would have counted (cost launched, synchronize
@@ -53,6 +62,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from . import duty, progress
+from ..throttle import BUSY_S
 from .workload import (  # noqa: F401 - the recording and its model, re-exported
     _EPS, FLOOR_MAX_S, LAUNCH, SYNC, WAIT_EPS_S, Recording, Thread, Workload, dump, fit,
     from_obj, load, repeat_loop)
@@ -178,6 +188,184 @@ class Run:
         return self.gpu.share(t0, t1)
 
 
+class _Proc:
+    """One replayed process: its threads' progress, its probes' counts, its
+    holds and what it completed."""
+
+    def __init__(self, wl: Workload, cold: Cold | None) -> None:
+        self.wl, self.ths, self.cold = wl, wl.threads, cold
+        n = len(self.ths)
+        self.idx = [0] * n
+        self.state = [_HOST if th.kinds else _DONE for th in self.ths]
+        self.rem = [th.gaps[0] if th.kinds else 0.0 for th in self.ths]
+        self.ready = [0.0] * n
+        self.entered = [0.0] * n        # when each thread entered its synchronize
+        self.consumed = self.syncs = self.launches = 0
+        self.sync_s = 0.0
+        self.last_end = 0.0             # when its latest GPU work ends
+        self.cold_until = -1.0          # the host runs at cold.speed until then
+        self.held_since: float | None = None
+        self.ask = duty.Ask.NONE
+        self.done_at: list[float] = []
+        self.returns: list[float] = []
+        self.holds: list[tuple[float, float]] = []
+        self.stops = {"sync": 0, "launch": 0}
+        self.modes: list = []
+        self.mode_changes, self.last_mode, self.debt_max = 0, None, 0.0
+        self.live = sum(1 for st in self.state if st != _DONE)
+
+    def speed(self, now: float) -> float:
+        return self.cold.speed if self.cold is not None and now < self.cold_until else 1.0
+
+    def next_event(self, now: float, t_next: float) -> float:
+        if self.held_since is not None:
+            return t_next
+        speed = self.speed(now)
+        if speed < 1.0:
+            t_next = min(t_next, self.cold_until)
+        for i, st in enumerate(self.state):
+            if st == _HOST:
+                t_next = min(t_next, now + self.rem[i] / speed)
+            elif st == _WAIT:
+                t_next = min(t_next, self.ready[i])
+        return t_next
+
+    def run_host(self, dt: float, speed: float) -> None:
+        if self.held_since is None:
+            for i, st in enumerate(self.state):
+                if st == _HOST:
+                    self.rem[i] -= dt * speed
+
+    def _finish(self, i: int, now: float) -> None:
+        self.done_at.append(now)
+        self.idx[i] += 1
+        if self.idx[i] < len(self.ths[i].kinds):
+            self.state[i], self.rem[i] = _HOST, self.ths[i].gaps[self.idx[i]]
+        else:
+            self.state[i] = _DONE
+            self.live -= 1
+
+    def _stop(self, how: str, now: float) -> None:
+        self.held_since, self.ask = now, duty.Ask.NONE
+        self.stops[how] += 1
+
+    def advance(self, now: float, dev: "_Device") -> bool:
+        """Complete what is due at `now` (launches issued onto the device's
+        queue, synchronizes entered and returned); True if anything was."""
+        any_done = False
+        progressed = True
+        while progressed and self.held_since is None:
+            progressed = False
+            for i, th in enumerate(self.ths):
+                if self.held_since is not None:
+                    break
+                st = self.state[i]
+                if st == _HOST and self.rem[i] <= _EPS:
+                    k = self.idx[i]
+                    if th.kinds[k] == LAUNCH:
+                        if self.ask is duty.Ask.LAUNCH:
+                            self._stop("launch", now)   # before the launch: issued on release
+                            break
+                        self.last_end = dev.run(now, th.gpu[k])
+                        self.consumed += th.costs[k]
+                        self.launches += th.counts[k]
+                        self._finish(i, now)
+                    else:
+                        self.state[i] = _WAIT
+                        self.entered[i] = now
+                        self.ready[i] = max(now, self.last_end) + self.wl.floor
+                    progressed = True
+                elif st == _WAIT and self.ready[i] <= now + _EPS:
+                    self.syncs += 1
+                    self.sync_s += now - self.entered[i]
+                    self.returns.append(now)
+                    self._finish(i, now)
+                    progressed = True
+                    if self.ask is not duty.Ask.NONE:
+                        self._stop("sync", now)
+            any_done |= progressed
+        return any_done
+
+    def seen_held(self, now: float, seen_after: float) -> float | None:
+        h = self.held_since
+        return h if h is not None and now >= h + seen_after - _EPS else None
+
+    def apply(self, s: Step, now: float, seen: float | None) -> None:
+        self.modes.append((now, s.mode))
+        if self.last_mode is not None and s.mode != self.last_mode:
+            self.mode_changes += 1
+        self.last_mode = s.mode
+        self.debt_max = max(self.debt_max, s.debt)
+        if s.release and seen is not None:
+            self.holds.append((self.held_since, now))
+            self.held_since = None
+            if self.cold is not None:
+                self.cold_until = now + self.cold.seconds
+        self.ask = s.ask if self.held_since is None else duty.Ask.NONE
+
+    def result(self, cap: float | None, now: float, gpu: GpuBusy) -> Run:
+        holds = self.holds + ([(self.held_since, now)] if self.held_since is not None else [])
+        return Run(workload=self.wl.name, cap=cap, end=now, finished=self.live == 0,
+                   done_at=self.done_at, returns=self.returns, holds=holds, stops=self.stops,
+                   modes=self.modes, mode_changes=self.mode_changes, debt_max=self.debt_max,
+                   gpu=gpu)
+
+
+class _Device:
+    """One GPU that runs its processes' work in the order it was launched
+    (processes side by side share it as time-slicing does, less its switches)."""
+
+    def __init__(self) -> None:
+        self.free_at = 0.0
+        self.busy = GpuBusy()
+
+    def run(self, now: float, seconds: float) -> float:
+        start = now if now > self.free_at else self.free_at
+        self.free_at = start + seconds
+        self.busy.add(start, self.free_at)
+        return self.free_at
+
+    def nvml_util(self, now: float) -> float:
+        end = max(now - NVML_LAG_S, NVML_PERIOD_S)
+        return 100.0 * self.busy.share(end - NVML_PERIOD_S, end)
+
+
+def _simulate(procs: list[_Proc], step, stepping: bool, *, horizon: float | None, tick: float,
+              seen_after: float, late_by: float) -> tuple[float, _Device]:
+    """Run the processes on one device until all are done (or the horizon);
+    `step(now, dev, seen)` steps the controller: seen[i] is when process i's
+    hold began as far as the controller knows, and it returns one Step per
+    process and the time it asks to be stepped next."""
+    dev = _Device()
+    now, ticks = 0.0, 0
+    next_tick = 0.0 if stepping else math.inf
+    step_at: float | None = None
+    while any(p.live for p in procs) and (horizon is None or now < horizon):
+        t_next = next_tick if step_at is None else min(next_tick, step_at)
+        for p in procs:
+            t_next = p.next_event(now, t_next)
+        if horizon is not None:
+            t_next = min(t_next, horizon)
+        if t_next == math.inf:
+            break
+        t_next = max(t_next, now)
+        for p in procs:
+            p.run_host(t_next - now, p.speed(now))
+        now = t_next
+        while any([p.advance(now, dev) for p in procs]):
+            pass
+        if stepping and (now >= next_tick - _EPS or (step_at is not None and now >= step_at - _EPS)):
+            if now >= next_tick - _EPS:
+                ticks += 1
+                next_tick = ticks * tick
+            seen = [p.seen_held(now, seen_after) for p in procs]
+            steps, nxt = step(now, dev, seen)
+            for p, s, h in zip(procs, steps, seen):
+                p.apply(s, now, h)
+            step_at = None if nxt is None else max(nxt + late_by, now + MIN_STEP_S)
+    return now, dev
+
+
 def replay(wl: Workload, controller: Controller | None = None, *, cap: float | None = None,
            horizon: float | None = None, tick: float = TICK_S, seen_after: float = 0.0,
            late_by: float = 0.0, cold: Cold | None = None) -> Run:
@@ -187,135 +375,19 @@ def replay(wl: Workload, controller: Controller | None = None, *, cap: float | N
     daemon's loop busy elsewhere), so a hold due to end outlasts its debt.
     `cold`: after each release the host program runs slower for a while
     (Cold); None: a stop costs it nothing."""
-    ths = wl.threads
-    n = len(ths)
-    idx = [0] * n
-    state = [_HOST if th.kinds else _DONE for th in ths]
-    rem = [th.gaps[0] if th.kinds else 0.0 for th in ths]
-    ready = [0.0] * n
-    now, gpu_free, consumed, syncs = 0.0, 0.0, 0, 0
-    launches, sync_s = 0, 0.0
-    entered = [0.0] * n          # when each thread entered its synchronize
-    cold_until = -1.0            # the host runs at cold.speed until then
-    held_since: float | None = None
-    ask = duty.Ask.NONE
-    done_at: list[float] = []
-    returns: list[float] = []
-    holds: list[tuple[float, float]] = []
-    stops = {"sync": 0, "launch": 0}
-    modes: list = []
-    mode_changes, last_mode, debt_max = 0, None, 0.0
-    ticks = 0
-    next_tick = 0.0 if controller is not None else math.inf
-    step_at: float | None = None
-    live = sum(1 for s in state if s != _DONE)
-    gpu = GpuBusy()
+    p = _Proc(wl, cold)
 
-    def nvml_util() -> float:
-        end = max(now - NVML_LAG_S, NVML_PERIOD_S)
-        return 100.0 * gpu.share(end - NVML_PERIOD_S, end)
+    def step(now: float, dev: _Device, seen: list) -> tuple[list, float | None]:
+        wants = getattr(controller, "wants_util", None)
+        read = {"util": dev.nvml_util(now)} if wants is not None and wants(now) else {}
+        s = controller.step(now, p.consumed, p.syncs, seen[0],
+                            waiting=sum(1 for st in p.state if st == _WAIT),
+                            launches=p.launches, sync_s=p.sync_s, **read)
+        return [s], s.next_step
 
-    def finish_action(i: int) -> None:
-        nonlocal live
-        done_at.append(now)
-        idx[i] += 1
-        if idx[i] < len(ths[i].kinds):
-            state[i], rem[i] = _HOST, ths[i].gaps[idx[i]]
-        else:
-            state[i] = _DONE
-            live -= 1
-
-    def stop(how: str) -> None:
-        nonlocal held_since, ask
-        held_since, ask = now, duty.Ask.NONE
-        stops[how] += 1
-
-    while live and (horizon is None or now < horizon):
-        t_next = next_tick
-        if step_at is not None:
-            t_next = min(t_next, step_at)
-        speed = cold.speed if cold is not None and now < cold_until else 1.0
-        if held_since is None:
-            if speed < 1.0:
-                t_next = min(t_next, cold_until)
-            for i in range(n):
-                if state[i] == _HOST:
-                    t_next = min(t_next, now + rem[i] / speed)
-                elif state[i] == _WAIT:
-                    t_next = min(t_next, ready[i])
-        if horizon is not None:
-            t_next = min(t_next, horizon)
-        if t_next == math.inf:
-            break
-        t_next = max(t_next, now)
-        if held_since is None:
-            dt = t_next - now
-            for i in range(n):
-                if state[i] == _HOST:
-                    rem[i] -= dt * speed
-        now = t_next
-        progressed = True
-        while progressed and held_since is None:
-            progressed = False
-            for i in range(n):
-                if held_since is not None:
-                    break
-                th = ths[i]
-                if state[i] == _HOST and rem[i] <= _EPS:
-                    k = idx[i]
-                    if th.kinds[k] == LAUNCH:
-                        if ask is duty.Ask.LAUNCH:
-                            stop("launch")       # before the launch: it is issued on release
-                            break
-                        start = now if now > gpu_free else gpu_free
-                        gpu_free = start + th.gpu[k]
-                        gpu.add(start, gpu_free)
-                        consumed += th.costs[k]
-                        launches += th.counts[k]
-                        finish_action(i)
-                    else:
-                        state[i] = _WAIT
-                        entered[i] = now
-                        ready[i] = max(now, gpu_free) + wl.floor
-                    progressed = True
-                elif state[i] == _WAIT and ready[i] <= now + _EPS:
-                    syncs += 1
-                    sync_s += now - entered[i]
-                    returns.append(now)
-                    finish_action(i)
-                    progressed = True
-                    if ask is not duty.Ask.NONE:
-                        stop("sync")
-        step_now = controller is not None and (
-            now >= next_tick - _EPS or (step_at is not None and now >= step_at - _EPS))
-        if step_now:
-            if now >= next_tick - _EPS:
-                ticks += 1
-                next_tick = ticks * tick
-            seen = held_since if held_since is not None and now >= held_since + seen_after - _EPS \
-                else None
-            wants = getattr(controller, "wants_util", None)
-            read = {"util": nvml_util()} if wants is not None and wants(now) else {}
-            s = controller.step(now, consumed, syncs, seen,
-                                waiting=sum(1 for st in state if st == _WAIT),
-                                launches=launches, sync_s=sync_s, **read)
-            modes.append((now, s.mode))
-            if last_mode is not None and s.mode != last_mode:
-                mode_changes += 1
-            last_mode = s.mode
-            debt_max = max(debt_max, s.debt)
-            if s.release and seen is not None:
-                holds.append((held_since, now))
-                held_since = None
-                if cold is not None:
-                    cold_until = now + cold.seconds
-            ask = s.ask if held_since is None else duty.Ask.NONE
-            step_at = None if s.next_step is None else max(s.next_step + late_by, now + MIN_STEP_S)
-    if held_since is not None:
-        holds.append((held_since, now))
-    return Run(workload=wl.name, cap=cap, end=now, finished=live == 0, done_at=done_at,
-               returns=returns, holds=holds, stops=stops, modes=modes,
-               mode_changes=mode_changes, debt_max=debt_max, gpu=gpu)
+    now, dev = _simulate([p], step, controller is not None, horizon=horizon, tick=tick,
+                         seen_after=seen_after, late_by=late_by)
+    return p.result(cap, now, dev.busy)
 
 
 def replay_capped(wl: Workload, cap: float, *, horizon: float | None = None,
@@ -323,6 +395,61 @@ def replay_capped(wl: Workload, cap: float, *, horizon: float | None = None,
                   cold: Cold | None = None, pacer: duty.DutyPacer | None = None) -> Run:
     return replay(wl, DutyController(cap, pacer=pacer), cap=cap, horizon=horizon,
                   seen_after=seen_after, late_by=late_by, tick=tick, cold=cold)
+
+
+class PairController:
+    """duty.DutyPacer for several groups on one device, one process each, as
+    the daemon drives it: their caps, their probes' counts, which are held,
+    and which share the device (another group launched there within
+    throttle.BUSY_S: nothing is given back or measured there)."""
+
+    def __init__(self, caps: list, pacer: duty.DutyPacer | None = None) -> None:
+        self.caps = caps
+        self.pacer = pacer or duty.DutyPacer()
+        self.last_launch: dict[int, float] = {}
+        self.launches: dict[int, int] = {}
+
+    def step(self, now: float, procs: list, seen: list, util: float | None) -> tuple:
+        keys = [(g, 0) for g in range(len(procs))]
+        for g, p in enumerate(procs):
+            if p.launches != self.launches.get(g):
+                self.launches[g], self.last_launch[g] = p.launches, now
+        shared = frozenset(k for k in keys if any(
+            g != k[0] and now - t <= BUSY_S for g, t in self.last_launch.items()))
+        obs = duty.Observation(
+            now=now, caps={k: c for k, c in zip(keys, self.caps)},
+            use={k: duty.Use(p.consumed, p.syncs, sum(1 for st in p.state if st == _WAIT),
+                             p.launches, p.sync_s) for k, p in zip(keys, procs)},
+            held={k[0]: h for k, h in zip(keys, seen) if h is not None},
+            shared=shared, util=None if util is None else {0: util})
+        d = self.pacer.step(obs)
+        steps = [Step(d.keys[k].ask, k[0] in d.release, d.next_step, d.keys[k].mode,
+                      d.keys[k].debt) for k in keys]
+        return steps, d.next_step
+
+
+def replay_pair(wls: list, caps: list, *, horizon: float | None = None, tick: float = TICK_S,
+                colds: list | None = None, pacer: duty.DutyPacer | None = None) -> list:
+    """Several recordings replayed side by side on one modelled GPU, each
+    process its own group capped at its entry of `caps` (None: uncapped,
+    never held), one pacer over all of them; `colds`: each process's Cold
+    (or None). One Run per workload."""
+    procs = [_Proc(wl, c) for wl, c in zip(wls, colds or [None] * len(wls))]
+    capped = [i for i, c in enumerate(caps) if c is not None]
+    ctl = PairController([caps[i] for i in capped], pacer)
+    none = Step(duty.Ask.NONE, False, None, duty.Mode.BUDGET)
+
+    def step(now: float, dev: _Device, seen: list) -> tuple[list, float | None]:
+        util = dev.nvml_util(now) if ctl.pacer.wants_util(now) else None
+        got, nxt = ctl.step(now, [procs[i] for i in capped], [seen[i] for i in capped], util)
+        steps = [none] * len(procs)
+        for i, s in zip(capped, got):
+            steps[i] = s
+        return steps, nxt
+
+    now, dev = _simulate(procs, step, bool(capped), horizon=horizon, tick=tick,
+                         seen_after=0.0, late_by=0.0)
+    return [p.result(c, now, dev.busy) for p, c in zip(procs, caps)]
 
 
 # -- what a run shows ----------------------------------------------------------
@@ -445,6 +572,39 @@ def compare(run: Run, base: Run, loop: tuple[float, float] | None = None) -> Rep
                   loop_duty_share=loop_duty)
 
 
+@dataclass
+class Side:
+    """One side of a pair over the seconds both timed loops ran (from
+    LOOP_SETTLE_S after the later one began): its unthrottled seconds of work
+    per second, and its longest run of 1 s windows below cap - 10 points."""
+    workload: str
+    cap: float | None
+    mean: float
+    below_longest_s: float
+    window: tuple
+
+
+def compare_pair(runs: list, bases: list, loops: list) -> list:
+    """Each side of a pair (replay_pair's runs, each workload's unthrottled
+    replay alone, its recording's (loop_start, loop_end)) over the window
+    in which all their timed loops ran."""
+    spans = []
+    for run, base, (start, end) in zip(runs, bases, loops):
+        began = reached(run, base, start)
+        ended = reached(run, base, end) if end is not None else None
+        spans.append((run.end if began is None else began, run.end if ended is None else ended))
+    lo = max(a for a, _ in spans) + LOOP_SETTLE_S
+    hi = min(b for _, b in spans)
+    sides = []
+    for run, base in zip(runs, bases):
+        tau = equivalent_time(run, base)
+        n = int(hi - lo + _EPS)
+        mean = (tau(hi) - tau(lo)) / (hi - lo) if hi > lo else float("nan")
+        below = _longest_below([tau(lo + i + 1) - tau(lo + i) for i in range(max(n, 0))], run.cap)
+        sides.append(Side(run.workload, run.cap, mean, float(below[0]), (lo, hi)))
+    return sides
+
+
 def fidelity(wl: Workload, base: Run) -> dict:
     """How well the unthrottled replay reproduces the recording: its length,
     its synchronize returns, and how far apart the two counts of returns so
@@ -475,8 +635,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="run a recording's timed loop this many times over (workload.repeat_loop)")
     ap.add_argument("--sample-pct", type=float, default=100 * progress.SAMPLE_SHARE,
                     help="running time a launch-bound group runs free to measure its speed; 0: none")
+    ap.add_argument("--pair", default=None, metavar="SPLITS",
+                    help="replay the two recordings given side by side, one group each, at each "
+                         "split of caps (e.g. 30:70,50:50), each side against its replay alone")
     a = ap.parse_args(argv)
     cold = HELD_MEASURED if a.held else COLD_MEASURED if a.cold else None
+    if a.pair:
+        return _pairs(a, cold)
     caps = [float(c) for c in a.caps.split(",") if c]
     if a.traces:
         recs = [load(p) for p in a.traces]
@@ -498,6 +663,26 @@ def main(argv: list[str] | None = None) -> int:
             run = replay_capped(wl, cap, horizon=a.horizon, cold=cold,
                                 pacer=duty.DutyPacer(sample_share=a.sample_pct / 100))
             print("  " + compare(run, base, (rec.loop_start, rec.loop_end)).line())
+    return 0
+
+
+def _pairs(a, cold: Cold | None) -> int:
+    if len(a.traces) != 2:
+        raise SystemExit("--pair takes exactly two recordings")
+    recs = [load(p) for p in a.traces]
+    recs = [repeat_loop(r, a.repeat) if a.repeat > 1 and r.loop_start is not None else r
+            for r in recs]
+    wls = [fit(r) for r in recs]
+    bases = [replay(wl) for wl in wls]
+    for split in a.pair.split(","):
+        caps = [float(c) for c in split.split(":")]
+        runs = replay_pair(wls, caps, horizon=a.horizon, colds=[cold] * len(wls),
+                           pacer=duty.DutyPacer(sample_share=a.sample_pct / 100))
+        sides = compare_pair(runs, bases, [(r.loop_start, r.loop_end) for r in recs])
+        lo, hi = sides[0].window
+        print(f"{split:>7}  both loops {lo:.0f}-{hi:.0f} s  " + "  ".join(
+            f"{s.workload} cap {s.cap:g}: {100 * s.mean:5.1f} (below cap-10 {s.below_longest_s:.0f} s)"
+            for s in sides))
     return 0
 
 
