@@ -10,13 +10,10 @@ prints them (the synthetic workloads of hami_bpf.sm.synth without a trace).
 The recording format and the workload model are in hami_bpf.sm.workload.
 
 Pairs
-  `replay_pair` runs several recordings at once on one modelled GPU, which
-  runs their work in the order it was launched (processes running at once
-  slow each other, as time-slicing does, less its switches), each its own
-  group under one pacer (PairController: the daemon's view of each group,
-  and which ones share the device); `compare_pair` judges each against its
-  own replay alone over the seconds all their timed loops ran.
-  `python3 -m hami_bpf.sm.replay A.json.gz B.json.gz --pair 30:70,50:50`.
+  The replay runs its processes on one modelled GPU, which runs their work
+  in the order it was launched; hami_bpf.sm.pairs replays several
+  recordings side by side, each its own group under one pacer
+  (`python3 -m hami_bpf.sm.replay A.json.gz B.json.gz --pair 30:70,50:50`).
 
 The controller
   Stepped every TICK_S of virtual time and at the next_step it asks for,
@@ -62,7 +59,6 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from . import duty, progress
-from ..throttle import BUSY_S
 from .workload import (  # noqa: F401 - the recording and its model, re-exported
     _EPS, FLOOR_MAX_S, LAUNCH, SYNC, WAIT_EPS_S, Recording, Thread, Workload, dump, fit,
     from_obj, load, repeat_loop)
@@ -115,9 +111,13 @@ class DutyController:
                                                        sync_s)},
                                held={g: held_since} if held_since is not None else {},
                                util=None if util is None else {self.key[1]: util})
-        d = self.pacer.step(obs)
-        k = d.keys[self.key]
-        return Step(k.ask, g in d.release, d.next_step, k.mode, k.debt)
+        return _step_of(self.pacer.step(obs), self.key)
+
+
+def _step_of(d: duty.Decision, key: tuple[int, int]) -> Step:
+    """What the pacer's decision says of one (group, device)."""
+    k = d.keys[key]
+    return Step(k.ask, key[0] in d.release, d.next_step, k.mode, k.debt)
 
 
 # -- the replay ----------------------------------------------------------------
@@ -217,6 +217,11 @@ class _Proc:
     def speed(self, now: float) -> float:
         return self.cold.speed if self.cold is not None and now < self.cold_until else 1.0
 
+    def use(self) -> duty.Use:
+        """What the probes would have counted so far."""
+        return duty.Use(self.consumed, self.syncs, sum(1 for st in self.state if st == _WAIT),
+                        self.launches, self.sync_s)
+
     def next_event(self, now: float, t_next: float) -> float:
         if self.held_since is not None:
             return t_next
@@ -230,11 +235,13 @@ class _Proc:
                 t_next = min(t_next, self.ready[i])
         return t_next
 
-    def run_host(self, dt: float, speed: float) -> None:
+    def run_host(self, now: float, until: float) -> None:
+        """Its running threads' host work from `now` to `until`."""
         if self.held_since is None:
+            done = (until - now) * self.speed(now)
             for i, st in enumerate(self.state):
                 if st == _HOST:
-                    self.rem[i] -= dt * speed
+                    self.rem[i] -= done
 
     def _finish(self, i: int, now: float) -> None:
         self.done_at.append(now)
@@ -350,8 +357,10 @@ def _simulate(procs: list[_Proc], step, stepping: bool, *, horizon: float | None
             break
         t_next = max(t_next, now)
         for p in procs:
-            p.run_host(t_next - now, p.speed(now))
+            p.run_host(now, t_next)
         now = t_next
+        # every process advances each round (a list, not a short-circuit),
+        # until none has anything more due now
         while any([p.advance(now, dev) for p in procs]):
             pass
         if stepping and (now >= next_tick - _EPS or (step_at is not None and now >= step_at - _EPS)):
@@ -380,9 +389,9 @@ def replay(wl: Workload, controller: Controller | None = None, *, cap: float | N
     def step(now: float, dev: _Device, seen: list) -> tuple[list, float | None]:
         wants = getattr(controller, "wants_util", None)
         read = {"util": dev.nvml_util(now)} if wants is not None and wants(now) else {}
-        s = controller.step(now, p.consumed, p.syncs, seen[0],
-                            waiting=sum(1 for st in p.state if st == _WAIT),
-                            launches=p.launches, sync_s=p.sync_s, **read)
+        u = p.use()
+        s = controller.step(now, u.consumed, u.syncs, seen[0], waiting=u.waiting,
+                            launches=u.launches, sync_s=u.sync_s, **read)
         return [s], s.next_step
 
     now, dev = _simulate([p], step, controller is not None, horizon=horizon, tick=tick,
@@ -395,61 +404,6 @@ def replay_capped(wl: Workload, cap: float, *, horizon: float | None = None,
                   cold: Cold | None = None, pacer: duty.DutyPacer | None = None) -> Run:
     return replay(wl, DutyController(cap, pacer=pacer), cap=cap, horizon=horizon,
                   seen_after=seen_after, late_by=late_by, tick=tick, cold=cold)
-
-
-class PairController:
-    """duty.DutyPacer for several groups on one device, one process each, as
-    the daemon drives it: their caps, their probes' counts, which are held,
-    and which share the device (another group launched there within
-    throttle.BUSY_S: nothing is given back or measured there)."""
-
-    def __init__(self, caps: list, pacer: duty.DutyPacer | None = None) -> None:
-        self.caps = caps
-        self.pacer = pacer or duty.DutyPacer()
-        self.last_launch: dict[int, float] = {}
-        self.launches: dict[int, int] = {}
-
-    def step(self, now: float, procs: list, seen: list, util: float | None) -> tuple:
-        keys = [(g, 0) for g in range(len(procs))]
-        for g, p in enumerate(procs):
-            if p.launches != self.launches.get(g):
-                self.launches[g], self.last_launch[g] = p.launches, now
-        shared = frozenset(k for k in keys if any(
-            g != k[0] and now - t <= BUSY_S for g, t in self.last_launch.items()))
-        obs = duty.Observation(
-            now=now, caps={k: c for k, c in zip(keys, self.caps)},
-            use={k: duty.Use(p.consumed, p.syncs, sum(1 for st in p.state if st == _WAIT),
-                             p.launches, p.sync_s) for k, p in zip(keys, procs)},
-            held={k[0]: h for k, h in zip(keys, seen) if h is not None},
-            shared=shared, util=None if util is None else {0: util})
-        d = self.pacer.step(obs)
-        steps = [Step(d.keys[k].ask, k[0] in d.release, d.next_step, d.keys[k].mode,
-                      d.keys[k].debt) for k in keys]
-        return steps, d.next_step
-
-
-def replay_pair(wls: list, caps: list, *, horizon: float | None = None, tick: float = TICK_S,
-                colds: list | None = None, pacer: duty.DutyPacer | None = None) -> list:
-    """Several recordings replayed side by side on one modelled GPU, each
-    process its own group capped at its entry of `caps` (None: uncapped,
-    never held), one pacer over all of them; `colds`: each process's Cold
-    (or None). One Run per workload."""
-    procs = [_Proc(wl, c) for wl, c in zip(wls, colds or [None] * len(wls))]
-    capped = [i for i, c in enumerate(caps) if c is not None]
-    ctl = PairController([caps[i] for i in capped], pacer)
-    none = Step(duty.Ask.NONE, False, None, duty.Mode.BUDGET)
-
-    def step(now: float, dev: _Device, seen: list) -> tuple[list, float | None]:
-        util = dev.nvml_util(now) if ctl.pacer.wants_util(now) else None
-        got, nxt = ctl.step(now, [procs[i] for i in capped], [seen[i] for i in capped], util)
-        steps = [none] * len(procs)
-        for i, s in zip(capped, got):
-            steps[i] = s
-        return steps, nxt
-
-    now, dev = _simulate(procs, step, bool(capped), horizon=horizon, tick=tick,
-                         seen_after=0.0, late_by=0.0)
-    return [p.result(c, now, dev.busy) for p, c in zip(procs, caps)]
 
 
 # -- what a run shows ----------------------------------------------------------
@@ -572,39 +526,6 @@ def compare(run: Run, base: Run, loop: tuple[float, float] | None = None) -> Rep
                   loop_duty_share=loop_duty)
 
 
-@dataclass
-class Side:
-    """One side of a pair over the seconds both timed loops ran (from
-    LOOP_SETTLE_S after the later one began): its unthrottled seconds of work
-    per second, and its longest run of 1 s windows below cap - 10 points."""
-    workload: str
-    cap: float | None
-    mean: float
-    below_longest_s: float
-    window: tuple
-
-
-def compare_pair(runs: list, bases: list, loops: list) -> list:
-    """Each side of a pair (replay_pair's runs, each workload's unthrottled
-    replay alone, its recording's (loop_start, loop_end)) over the window
-    in which all their timed loops ran."""
-    spans = []
-    for run, base, (start, end) in zip(runs, bases, loops):
-        began = reached(run, base, start)
-        ended = reached(run, base, end) if end is not None else None
-        spans.append((run.end if began is None else began, run.end if ended is None else ended))
-    lo = max(a for a, _ in spans) + LOOP_SETTLE_S
-    hi = min(b for _, b in spans)
-    sides = []
-    for run, base in zip(runs, bases):
-        tau = equivalent_time(run, base)
-        n = int(hi - lo + _EPS)
-        mean = (tau(hi) - tau(lo)) / (hi - lo) if hi > lo else float("nan")
-        below = _longest_below([tau(lo + i + 1) - tau(lo + i) for i in range(max(n, 0))], run.cap)
-        sides.append(Side(run.workload, run.cap, mean, float(below[0]), (lo, hi)))
-    return sides
-
-
 def fidelity(wl: Workload, base: Run) -> dict:
     """How well the unthrottled replay reproduces the recording: its length,
     its synchronize returns, and how far apart the two counts of returns so
@@ -641,12 +562,11 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     cold = HELD_MEASURED if a.held else COLD_MEASURED if a.cold else None
     if a.pair:
-        return _pairs(a, cold)
+        from . import pairs
+        return pairs.cli(a, cold, _recordings(a))
     caps = [float(c) for c in a.caps.split(",") if c]
     if a.traces:
-        recs = [load(p) for p in a.traces]
-        recs = [repeat_loop(r, a.repeat) if a.repeat > 1 and r.loop_start is not None else r
-                for r in recs]
+        recs = _recordings(a)
     else:
         from . import synth
         recs = [from_obj(gen()) for gen in synth.WORKLOADS.values()]
@@ -666,24 +586,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _pairs(a, cold: Cold | None) -> int:
-    if len(a.traces) != 2:
-        raise SystemExit("--pair takes exactly two recordings")
+def _recordings(a) -> list:
+    """The recordings named on the command line, timed loops repeated --repeat times."""
     recs = [load(p) for p in a.traces]
-    recs = [repeat_loop(r, a.repeat) if a.repeat > 1 and r.loop_start is not None else r
+    return [repeat_loop(r, a.repeat) if a.repeat > 1 and r.loop_start is not None else r
             for r in recs]
-    wls = [fit(r) for r in recs]
-    bases = [replay(wl) for wl in wls]
-    for split in a.pair.split(","):
-        caps = [float(c) for c in split.split(":")]
-        runs = replay_pair(wls, caps, horizon=a.horizon, colds=[cold] * len(wls),
-                           pacer=duty.DutyPacer(sample_share=a.sample_pct / 100))
-        sides = compare_pair(runs, bases, [(r.loop_start, r.loop_end) for r in recs])
-        lo, hi = sides[0].window
-        print(f"{split:>7}  both loops {lo:.0f}-{hi:.0f} s  " + "  ".join(
-            f"{s.workload} cap {s.cap:g}: {100 * s.mean:5.1f} (below cap-10 {s.below_longest_s:.0f} s)"
-            for s in sides))
-    return 0
 
 
 if __name__ == "__main__":

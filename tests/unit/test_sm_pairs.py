@@ -1,11 +1,11 @@
 """Two recorded workloads replayed side by side on one modelled GPU, each its
-own group under one duty pacer (replay.replay_pair), as the daemon paces a
+own group under one duty pacer (pairs.replay_pair), as the daemon paces a
 pair of containers.
 
 Each recording's timed loop is repeated (workload.repeat_loop) so that the
 two run together for a minute or more; each side is judged against its own
 unthrottled replay alone, over the seconds in which both timed loops ran
-(replay.compare_pair). The modelled GPU runs both processes' work in launch
+(pairs.compare_pair). The modelled GPU runs both processes' work in launch
 order, so two groups running at once slow each other as time-slicing does.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from hami_bpf.sm import duty, replay, workload
+from hami_bpf.sm import duty, pairs, replay, workload
 
 TRACES = Path(__file__).resolve().parents[1] / "data" / "traces"
 REPEAT = 6
@@ -45,8 +45,8 @@ def _load(name: str):
 @functools.lru_cache(maxsize=None)
 def _pair(a: str, b: str, caps: tuple, losses: tuple = (None, None)):
     (ra, wa, ba), (rb, wb, bb) = _load(a), _load(b)
-    runs = replay.replay_pair([wa, wb], list(caps), horizon=HORIZON_S, colds=list(losses))
-    sides = replay.compare_pair(runs, [ba, bb], [(ra.loop_start, ra.loop_end),
+    runs = pairs.replay_pair([wa, wb], list(caps), horizon=HORIZON_S, colds=list(losses))
+    sides = pairs.compare_pair(runs, [ba, bb], [(ra.loop_start, ra.loop_end),
                                                  (rb.loop_start, rb.loop_end)])
     return runs, sides
 
@@ -132,6 +132,6 @@ def test_an_uncapped_neighbour_is_never_held_and_the_capped_side_keeps_its_share
 def test_a_pair_replay_of_one_workload_is_the_single_replay():
     rec, wl, base = _load("llm_decode")
     one = replay.replay_capped(wl, 50, horizon=60.0)
-    pair = replay.replay_pair([wl], [50], horizon=60.0)[0]
+    pair = pairs.replay_pair([wl], [50], horizon=60.0)[0]
     assert pair.holds == one.holds and pair.done_at == one.done_at
     assert pair.stops == one.stops and duty.Mode.DUTY in {m for _, m in pair.modes}

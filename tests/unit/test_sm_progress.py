@@ -157,7 +157,7 @@ def test_over_one_the_group_runs_under_its_cap_by_no_more_than_the_least_estimat
     assert m.speed is None
     m._estimate(1.01)
     assert m.speed == pytest.approx(1.01)
-    m._estimate(0.9)                # the median of three is back under 1
+    m._estimate(0.9)                # the median of three, 1.01, is the least over 1
     assert m.speed == pytest.approx(1.01)
     m._estimate(0.95)
     assert m.speed == pytest.approx(0.95)
