@@ -1,21 +1,17 @@
 #!/usr/bin/env python3
 """bert_infer: an encoder serving batches, as a classification or embedding service runs.
 
-A transformers BertModel built from a BertConfig (random weights; base size by
+A transformers BertModel built from a BertConfig (llm_common.build: random weights; base size by
 default: hidden 768, 12 layers, 12 heads), fp16, no grad. Each step encodes a
 batch of --batch sequences of --seq tokens with a padding mask, pools the
 first token and reads the pooled vectors' argmax back to the host (.tolist():
 a synchronize per batch). GPU-bound. Unit: sequences/s.
 """
-import os
+import torch
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-import torch  # noqa: E402
+from common import parser, run_steps, wait_go
+from llm_common import build   # before transformers: it sets the offline environment
 from transformers import BertConfig, BertModel  # noqa: E402
-
-from common import parser, run_steps, wait_go  # noqa: E402
 
 
 def main():
@@ -28,12 +24,8 @@ def main():
     wait_go(a)
     cfg = BertConfig(hidden_size=a.hidden, num_hidden_layers=a.layers,
                      num_attention_heads=max(1, a.hidden // 64), intermediate_size=4 * a.hidden)
-    torch.manual_seed(0)
+    model, params = build(BertModel, cfg, dtype=torch.float16)
     dev = torch.device("cuda")
-    with torch.device(dev):
-        model = BertModel(cfg)
-    model = model.to(dtype=torch.float16).eval()
-    params = sum(p.numel() for p in model.parameters())
     ids = torch.randint(0, cfg.vocab_size, (a.batch, a.seq), device=dev)
     lengths = torch.randint(a.seq // 4, a.seq + 1, (a.batch, 1), device=dev)
     mask = (torch.arange(a.seq, device=dev)[None, :] < lengths).long()

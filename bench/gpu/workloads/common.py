@@ -166,3 +166,21 @@ def run_steps(a, name: str, unit: str, step, units: float = 1, warmup: int = 3, 
         step()
         rep.add(units)
     rep.finish(**extra)
+
+
+def run_requests(a, name: str, unit: str, request, **extra) -> None:
+    """The timed loop of a server: one request(None) to warm up (then a
+    synchronize), the start hand-off, then request(rep) until the loop's
+    seconds are up. A request counts its own units on rep and returns once
+    rep.done(); the summary carries the requests served and `extra`."""
+    import torch
+    request(None)
+    torch.cuda.synchronize()
+    ready_start(a)
+    rep = Reporter(name, unit, a.seconds)
+    rep.begin()
+    requests = 0
+    while not rep.done():
+        request(rep)
+        requests += 1
+    rep.finish(requests=requests, **extra)

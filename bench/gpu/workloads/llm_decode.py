@@ -4,7 +4,7 @@
 A transformers LlamaForCausalLM (llm_common.py: random weights, bf16). Each
 request: one prefill of a --prompt-token prompt, then --new-tokens decode
 steps of one token each, the next token read back to the host every step
-(.item(): a synchronize per token, as a loop that streams or checks for an
+(.tolist(): a synchronize per token, as a loop that streams or checks for an
 end token does); then the cache is dropped and the next request starts. With --generate,
 each request is one transformers `model.generate()` call instead (greedy,
 exactly --new-tokens tokens), its own loop checking every token for the end
@@ -13,8 +13,8 @@ Unit: tokens/s (generated tokens, batch x steps).
 """
 import torch
 
-from common import Reporter, parser, ready_start, wait_go
-from llm_common import add_model_args, build_llama
+from common import parser, run_requests, wait_go
+from llm_common import add_model_args, build_llama, decode
 
 
 def main():
@@ -32,38 +32,13 @@ def main():
     g = torch.Generator(device=dev)
     g.manual_seed(0)
 
-    @torch.no_grad()
-    def request(rep=None):
+    def stream(rep):
         prompt = torch.randint(0, cfg.vocab_size, (a.batch, a.prompt_tokens), device=dev, generator=g)
-        out = model(input_ids=prompt, use_cache=True)
-        past = out.past_key_values
-        tok = out.logits[:, -1].argmax(-1, keepdim=True)
-        tok[0, 0].item()
-        if rep:
-            rep.add(a.batch)
-        for _ in range(a.new_tokens - 1):
-            out = model(input_ids=tok, past_key_values=past, use_cache=True)
-            past = out.past_key_values
-            tok = out.logits[:, -1].argmax(-1, keepdim=True)
-            tok[0, 0].item()
-            if rep:
-                rep.add(a.batch)
-                if rep.done():
-                    return
+        decode(model, prompt, lambda logits: logits.argmax(-1, keepdim=True), a.new_tokens, rep)
 
-    if a.generate:
-        request = generate_request(a, model, cfg, dev, g)
-    request()
-    torch.cuda.synchronize()
-    ready_start(a)
-    rep = Reporter("llm_decode", "tokens/s", a.seconds)
-    rep.begin()
-    requests = 0
-    while not rep.done():
-        request(rep)
-        requests += 1
-    rep.finish(params=params, batch=a.batch, prompt_tokens=a.prompt_tokens, new_tokens=a.new_tokens,
-               requests=requests)
+    request = generate_request(a, model, cfg, dev, g) if a.generate else stream
+    run_requests(a, "llm_decode", "tokens/s", request, params=params, batch=a.batch,
+                 prompt_tokens=a.prompt_tokens, new_tokens=a.new_tokens)
 
 
 def generate_request(a, model, cfg, dev, g):
@@ -95,7 +70,7 @@ def generate_request(a, model, cfg, dev, g):
                               dtype=torch.bool, device=input_ids.device)
 
     @torch.no_grad()
-    def request(rep=None):
+    def request(rep):
         prompt = torch.randint(0, cfg.vocab_size, (a.batch, a.prompt_tokens), device=dev, generator=g)
         model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
                        max_new_tokens=a.new_tokens, min_new_tokens=a.new_tokens, pad_token_id=0,
