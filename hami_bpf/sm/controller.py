@@ -512,7 +512,7 @@ class SmController:
                          device=key[1], free_hz=round(sample.free_hz, 1),
                          paced_hz=round(sample.paced_hz, 1),
                          after_hz=round(sample.after_hz, 1), ratio=round(sample.ratio, 3),
-                         speed=None if sample.speed is None else round(sample.speed, 3),
+                         speed=round(sample.speed, 3),
                          run_pct=round(d.keys[key].run_pct, 1))
         for key in d.dropped:
             self._counts["sm_samples_dropped"] += 1

@@ -125,17 +125,16 @@ def test_a_share_of_zero_never_samples():
     assert loop.run(m, 60.0) == [] and loop.free_s == 0.0
 
 
-def test_one_estimate_over_one_does_not_run_the_group_under_its_cap():
+def test_a_loop_that_does_more_paced_than_free_runs_its_caps_share():
+    # a sample that reads over 1 counts as 1: never under its cap's share
     m, loop = ProgressMeter(), Loop(paced_hz=12000, free_hz=10000)
-    first = []
-    while not first:
-        first = [s for s in [loop.step(m)] if s is not None]
-    assert first[0].ratio == pytest.approx(1.2, abs=0.03)
-    assert first[0].speed is None and m.speed is None
-    second = []
-    while not second:
-        second = [s for s in [loop.step(m)] if s is not None]
-    assert m.speed == pytest.approx(progress.MAX_SPEED)
+    seen = []
+    while len(seen) < 3:
+        s = loop.step(m)
+        if s is not None:
+            seen.append(s)
+    assert [s.ratio for s in seen] == [pytest.approx(1.2, abs=0.03)] * 3
+    assert [s.speed for s in seen] == [1.0, 1.0, 1.0] and m.speed == 1.0
 
 
 def test_one_odd_sample_moves_the_speed_little():
@@ -149,24 +148,20 @@ def test_one_odd_sample_moves_the_speed_little():
     assert m.speed == pytest.approx(0.8, abs=0.02)
 
 
-def test_over_one_the_group_runs_under_its_cap_by_no_more_than_the_least_estimate_says():
+def test_high_readings_never_take_back_what_low_ones_measured():
     m = ProgressMeter()
-    # an odd high sample (clamped to MAX_SPEED) and one barely over 1: the
-    # median of the two would run the group 5 points under a cap of 75
+    m._estimate(0.8)
+    m._estimate(0.85)
     m._estimate(progress.MAX_SPEED)
-    assert m.speed is None
-    m._estimate(1.01)
-    assert m.speed == pytest.approx(1.01)
-    m._estimate(0.9)                # the median of three, 1.01, is the least over 1
-    assert m.speed == pytest.approx(1.01)
-    m._estimate(0.95)
-    assert m.speed == pytest.approx(0.95)
+    assert m.speed == pytest.approx(0.85)
+    m._estimate(progress.MAX_SPEED)
+    assert m.speed == 1.0
 
 
 @settings(max_examples=40, deadline=None)
 @given(paced=st.floats(20000, 100000), free=st.floats(20000, 100000),
        held=st.floats(0.1, 0.8))
-def test_the_speed_stays_within_its_bounds_and_one_sample_never_runs_a_group_under_its_cap(
+def test_the_speed_stays_within_its_bounds_and_no_sample_runs_a_group_under_its_cap(
         paced, free, held):
     m, loop = ProgressMeter(), Loop(paced_hz=paced, free_hz=free, held_share=held)
     seen = []
@@ -174,9 +169,8 @@ def test_the_speed_stays_within_its_bounds_and_one_sample_never_runs_a_group_und
         s = loop.step(m)
         if s is not None:
             seen.append(s)
-            if m.samples == 1:
-                # fail open: a single sample lets it run more, never less
-                assert s.speed is None or s.speed <= 1.0
+            # fail open: a sample lets it run more, never less
+            assert s.speed <= 1.0
     if m.speed is not None:
         assert progress.MIN_SPEED <= m.speed <= progress.MAX_SPEED
     for s in seen:
@@ -283,10 +277,12 @@ def slowed(name: str, cap: int, speed: float | None, sample_share: float) -> rep
 # (workload, what being held leaves of its speed, caps): the recorded decode
 # loop as it was, and as slow as the H200's held decode loops ran (85%, and
 # 75% where a cap leaves room for it); the train/eval loop, whose phases
-# change every few seconds, as it was and at 85%
+# change every few seconds, as it was and at 85%; a sampled GPT-2 decode
+# loop, which the pacer's constants were not set on, both ways
 CASES = [("llm_decode", None, (25, 50, 75)), ("llm_decode", 0.85, (25, 50, 75)),
          ("llm_decode", 0.75, (25, 50)), ("phased", None, (25, 50, 75)),
-         ("phased", 0.85, (25, 50, 75))]
+         ("phased", 0.85, (25, 50, 75)), ("gpt2_decode", None, (25, 50, 75)),
+         ("gpt2_decode", 0.85, (25, 50, 75))]
 
 
 @pytest.mark.parametrize("name,speed,cap", [(n, s, c) for n, s, caps in CASES for c in caps])
@@ -297,6 +293,24 @@ def test_a_loop_slowed_by_its_holds_or_not_keeps_its_cap(name, speed, cap):
     print(rep.line())
     assert abs(100 * rep.loop_mean - cap) <= TOLERANCE_PTS, rep.line()
     assert rep.loop_below_longest_s <= FAIL_OPEN_S, rep.line()
+
+
+# Loops the pacer's constants were not set on: an encoder serving batches
+# (its GPU 35% busy: samples read over 1 there), a GPT-2 decode loop, and a
+# training loop fed by a DataLoader. Each keeps the fail-open floor, and
+# where it misses its cap it errs open: never more than 5 points under.
+UNSEEN = ("bert_infer", "gpt2_decode", "loader_train")
+
+
+@pytest.mark.parametrize("name,speed,cap", [(n, s, c) for n in UNSEEN for s in (None, 0.85)
+                                            for c in (25, 50, 75)])
+def test_unseen_loops_keep_the_floor_and_err_open(name, speed, cap):
+    if not (TRACES / f"{name}.json.gz").exists():
+        pytest.skip(f"no recording {name}")
+    rep = slowed(name, cap, speed, progress.SAMPLE_SHARE)
+    print(rep.line())
+    assert rep.loop_below_longest_s <= FAIL_OPEN_S, rep.line()
+    assert 100 * rep.loop_mean >= cap - TOLERANCE_PTS, rep.line()
 
 
 @pytest.mark.parametrize("speed", (None, 0.75))
