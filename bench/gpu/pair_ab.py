@@ -44,22 +44,10 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from suite_ab import mean_rate, of_free, reader   # noqa: E402 - sibling scripts, by path
+from suite_ab import markdown, mean_rate, of_free, reader, write_policy   # noqa: E402 - by path
 from suite_run import workload_command           # noqa: E402
 
 STOP_RECHECK_S = 0.5    # a side stopped for the other's stretch is checked this often
-
-
-def write_policy(path: str, caps: dict) -> None:
-    """The daemon's policy file: a rule per capped group (none: no SM cap)."""
-    rules = [f'[[group]]\nmatch = "{g}"\nsm = {c}\n' for g, c in caps.items() if c]
-    text = "\n".join(rules) or '[[group]]\nmatch = "nobody"\nmemory = "1Gi"\n'
-    tmp = path + ".new"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.chown(tmp, 0, 0)
-    os.replace(tmp, path)
 
 
 def state(pid: int) -> str:
@@ -234,12 +222,12 @@ def main() -> int:
     for pr in a.pairs.split():
         wa, wb = pr.split(":")
         rows += run_pair(a, wa, wb)
-    print("\n| pair | side | cap | capped rate | own alone before / after | % of alone | within ±5 "
-          "| first 3 s |")
-    print("|---|---|---:|---:|---:|---:|:---:|---:|")
-    for r in rows:
-        print(f"| {r['pair']} | {r['w']} | {r['cap']} | {r['rate']} | {r['ref_before']} / "
-              f"{r['ref_after']} | {r['pct']} | {'yes' if r['within5'] else 'no'} | {r['first_s_pct']} |")
+    markdown(rows, [("pair", "pair", "l"), ("side", "w", "l"), ("cap", "cap", "r"),
+                    ("capped rate", "rate", "r"),
+                    ("own alone before / after", lambda r: f"{r['ref_before']} / {r['ref_after']}", "r"),
+                    ("% of alone", "pct", "r"),
+                    ("within ±5", lambda r: "yes" if r["within5"] else "no", "l"),
+                    ("first 3 s", "first_s_pct", "r")])
     return 0
 
 

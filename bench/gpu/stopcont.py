@@ -233,7 +233,7 @@ def main():
     group = f"stopcont-{os.getpid()}"
     if a.policy:
         from suite_ab import write_policy   # this directory: the daemon's policy file
-        set_cap = lambda cap: (write_policy(a.policy, group, cap), os.kill(a.daemon_pid, signal.SIGHUP))
+        set_cap = lambda cap: (write_policy(a.policy, {group: cap}), os.kill(a.daemon_pid, signal.SIGHUP))
         set_cap(None)
     cmd = [sys.executable, os.path.join(HERE, "workloads", f"{a.workload}.py"),
            "--seconds", str(total + 1), "--sync-dir", sync, *rest]

@@ -108,15 +108,27 @@ def cpu_use(cpu: list, start: float, end: float, held: float | None) -> dict | N
             "daemon_same_cpu": round(same / len(inside), 3)}
 
 
-def write_policy(path: str, group: str, cap: int | None) -> None:
-    rule = (f'[[group]]\nmatch = "{group}"\nsm = {cap}\n' if cap else
-            '[[group]]\nmatch = "nobody"\nmemory = "1Gi"\n')
+def write_policy(path: str, caps: dict) -> None:
+    """The daemon's policy file: an SM cap per group of `caps` ({group: cap};
+    a cap of None or 0 leaves the group uncapped)."""
+    rules = [f'[[group]]\nmatch = "{g}"\nsm = {c}\n' for g, c in caps.items() if c]
+    text = "\n".join(rules) or '[[group]]\nmatch = "nobody"\nmemory = "1Gi"\n'
     tmp = path + ".new"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write(rule)
+        f.write(text)
     os.chown(tmp, 0, 0)
     os.replace(tmp, path)
+
+
+def markdown(rows: list, columns: list) -> None:
+    """Print rows as a markdown table: columns [(heading, key or function
+    of a row, "l" or "r")]."""
+    print("\n| " + " | ".join(h for h, _k, _a in columns) + " |")
+    print("|" + "|".join("---" if al == "l" else "---:" for _h, _k, al in columns) + "|")
+    for r in rows:
+        cells = [k(r) if callable(k) else r[k] for _h, k, _a in columns]
+        print("| " + " | ".join(str(c) for c in cells) + " |")
 
 
 def reader(p: subprocess.Popen, q: queue.Queue) -> None:
@@ -174,7 +186,7 @@ def run_one(a, w: str) -> list[dict]:
     seg = [None] + [c for cap in a.caps for c in (cap, None)]
     lengths = [a.ref_s if c is None else a.cap_s for c in seg]
     total = sum(lengths) + 5
-    write_policy(a.policy, group, None)
+    write_policy(a.policy, {group: None})
     os.kill(a.daemon_pid, signal.SIGHUP)
     env = dict(os.environ, HAMI_GROUP=group)
     env.pop("CUDA_DEVICE_SM_LIMIT", None)
@@ -227,7 +239,7 @@ def run_one(a, w: str) -> list[dict]:
                 if cap == "end":
                     edges.clear()
                     break
-                write_policy(a.policy, group, cap)
+                write_policy(a.policy, {group: cap})
                 os.kill(a.daemon_pid, signal.SIGHUP)
                 done_edges.append((at, cap))
             if started is not None and not edges and now > started + sum(lengths):
@@ -239,7 +251,7 @@ def run_one(a, w: str) -> list[dict]:
         except subprocess.TimeoutExpired:
             p.kill()
         log.close()
-        write_policy(a.policy, group, None)
+        write_policy(a.policy, {group: None})
         os.kill(a.daemon_pid, signal.SIGHUP)
     out = []
     spans = [(at, cap, (done_edges[i + 1][0] if i + 1 < len(done_edges) else at + a.ref_s))
@@ -290,12 +302,11 @@ def main() -> int:
     for w in a.workloads.split():
         done_edges.clear()
         rows += run_one(a, w)
-    print("\n| workload | cap | capped rate | own uncapped before / after | % of uncapped | within ±5 "
-          "| first 3 s | time held |")
-    print("|---|---:|---:|---:|---:|:---:|---:|---:|")
-    for r in rows:
-        print(f"| {r['w']} | {r['cap']} | {r['rate']} | {r['ref_before']} / {r['ref_after']} "
-              f"| {r['pct']} | {'yes' if r['within5'] else 'no'} | {r['first_s_pct']} | {r['held']} |")
+    markdown(rows, [("workload", "w", "l"), ("cap", "cap", "r"), ("capped rate", "rate", "r"),
+                    ("own uncapped before / after", lambda r: f"{r['ref_before']} / {r['ref_after']}", "r"),
+                    ("% of uncapped", "pct", "r"),
+                    ("within ±5", lambda r: "yes" if r["within5"] else "no", "l"),
+                    ("first 3 s", "first_s_pct", "r"), ("time held", "held", "r")])
     return 0
 
 
