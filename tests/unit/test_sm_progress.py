@@ -148,7 +148,7 @@ def test_one_odd_sample_moves_the_speed_little():
     assert m.speed == pytest.approx(0.8, abs=0.02)
 
 
-def test_high_readings_never_take_back_what_low_ones_measured():
+def test_high_readings_count_as_one_in_the_median():
     m = ProgressMeter()
     m._estimate(0.8)
     m._estimate(0.85)
