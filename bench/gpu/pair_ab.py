@@ -25,7 +25,9 @@ was found running.
 
 Prints one JSON line per side per split:
   {"pair", "side", "w", "cap", "rate", "ref_before", "ref_after", "pct",
-   "within5", "first_s_pct", "series"}
+   "within5", "first_s_pct", "held", "series"}
+("held": the share of the stretch the side was found stopped, read from
+/proc every HELD_SAMPLE_S)
 then a markdown table.
 """
 from __future__ import annotations
@@ -47,7 +49,8 @@ sys.path.insert(0, HERE)
 from suite_ab import markdown, mean_rate, of_free, reader, write_policy   # noqa: E402 - by path
 from suite_run import workload_command           # noqa: E402
 
-STOP_RECHECK_S = 0.5    # a side stopped for the other's stretch is checked this often
+STOP_RECHECK_S = 0.5    # the daemon's holds let go before a side is stopped for the other's stretch
+HELD_SAMPLE_S = 0.01    # each side's state is read this often while capped together
 
 
 def state(pid: int) -> str:
@@ -68,8 +71,10 @@ def schedule(splits: list, ref_s: float, cap_s: float) -> list:
 
 
 def judge(pair: str, side: str, w: str, lines: list, spans: list, settle: float,
-          free_settle: float) -> list[dict]:
-    """One row per capped stretch for side `side` (its index in caps)."""
+          free_settle: float, stops: list) -> list[dict]:
+    """One row per capped stretch for side `side` (its index in caps);
+    "held": the share of `stops` samples in that stretch that found it
+    stopped (the daemon's holds)."""
     idx = 0 if side == "a" else 1
     rows = []
     for i, (kind, s, e, caps) in enumerate(spans):
@@ -85,6 +90,7 @@ def judge(pair: str, side: str, w: str, lines: list, spans: list, settle: float,
         good = [r for r in refs if r]
         ref = sum(good) / len(good) if good else None
         cap = caps[idx]
+        seen = [st[idx] for t, st in stops if s + settle <= t <= e]
         rows.append({"pair": pair, "side": side, "w": w, "cap": cap,
                      "rate": rate and round(rate, 3),
                      "ref_before": refs[0] and round(refs[0], 3) if before else None,
@@ -92,6 +98,7 @@ def judge(pair: str, side: str, w: str, lines: list, spans: list, settle: float,
                      "pct": pct and round(pct, 1),
                      "within5": pct is not None and abs(pct - cap) <= 5,
                      "first_s_pct": first and ref and round(100 * first / ref, 1),
+                     "held": round(sum(seen) / len(seen), 3) if seen else None,
                      "series": series})
     return rows
 
@@ -123,6 +130,7 @@ def run_pair(a, wa: str, wb: str) -> list[dict]:
         queues.append(q)
     lines: list[list] = [[], []]
     spans: list = []
+    stops: list = []        # (time, [each side found stopped]) while capped together
     try:
         for side in "ab":
             open(os.path.join(sync, side, "go"), "w").close()
@@ -169,8 +177,14 @@ def run_pair(a, wa: str, wb: str) -> list[dict]:
                 os.kill(stop.pid, signal.SIGSTOP)
             while time.monotonic() < e:
                 drain()
-                time.sleep(0.1)
-                if kind != "both" and state(stop.pid) not in ("T", "t", "?"):
+                if kind == "both":
+                    time.sleep(HELD_SAMPLE_S)
+                    now = time.monotonic()
+                    if now >= s + a.settle:
+                        stops.append((now, [state(p.pid) in ("T", "t") for p in procs]))
+                    continue
+                time.sleep(STOP_RECHECK_S / 5)
+                if state(stop.pid) not in ("T", "t", "?"):
                     os.kill(stop.pid, signal.SIGSTOP)
         drain()
     finally:
@@ -190,7 +204,7 @@ def run_pair(a, wa: str, wb: str) -> list[dict]:
         shutil.rmtree(sync, ignore_errors=True)
     rows = []
     for side, w, ln in zip("ab", (wa, wb), lines):
-        rows += judge(pair, side, w, ln, spans, a.settle, a.free_settle)
+        rows += judge(pair, side, w, ln, spans, a.settle, a.free_settle, stops)
     for r in rows:
         print(json.dumps(r), flush=True)
     return rows
@@ -227,7 +241,7 @@ def main() -> int:
                     ("own alone before / after", lambda r: f"{r['ref_before']} / {r['ref_after']}", "r"),
                     ("% of alone", "pct", "r"),
                     ("within ±5", lambda r: "yes" if r["within5"] else "no", "l"),
-                    ("first 3 s", "first_s_pct", "r")])
+                    ("first 3 s", "first_s_pct", "r"), ("time held", "held", "r")])
     return 0
 
 
