@@ -78,6 +78,34 @@ def benches_together(procs: dict, seconds: int, settle_ms: int, join_s: float,
     return got
 
 
+def until_learned(d: Daemon, procs: dict, names: dict, limit: float = 30.0) -> None:
+    """Keep every process of {key: CudaProc} launching (1 s benches) until
+    the daemon has said that each group of {key: name} learned its rate, so
+    that what follows measures the shares and not the learning, however long
+    a loaded machine takes over it."""
+    stop = threading.Event()
+
+    def run(p: CudaProc) -> None:
+        while not stop.is_set():
+            p.cmd("bench launch 1000 1 0", timeout=60)
+
+    ts = [threading.Thread(target=run, args=(p,), daemon=True) for p in procs.values()]
+    for t in ts:
+        t.start()
+    try:
+        def learned():
+            done = {e["data"]["group"] for e in d.events()
+                    if (e["kind"], e["what"]) == ("throttle", "learned")}
+            left = set(names.values()) - done
+            return f"not learned yet: {sorted(left)}" if left else None
+
+        wait_for(learned, limit, interval=0.2, what="every group learned its rate")
+    finally:
+        stop.set()
+        for t in ts:
+            t.join(60)
+
+
 def test_a_single_cap_holds_its_share_of_a_deep_queue(tmp_path, sim):
     fake = build(tmp_path / "lib")
     d = Daemon(fake, extra=["--sim-gpu", sim, "--sm-limits"]).start()
@@ -96,9 +124,10 @@ def test_two_groups_30_70_each_get_their_share(tmp_path, sim):
     fake = build(tmp_path / "lib")
     d = Daemon(fake, extra=["--sim-gpu", sim, "--sm-limits"]).start()
     try:
-        procs = {cap: gpu_proc(fake, sim, gname(f"pair{cap}"), sm=cap)
-                 for cap in (30, 70)}
-        got = benches_together(procs, seconds=9, settle_ms=4000, join_s=120)
+        names = {cap: gname(f"pair{cap}") for cap in (30, 70)}
+        procs = {cap: gpu_proc(fake, sim, names[cap], sm=cap) for cap in (30, 70)}
+        until_learned(d, procs, names)
+        got = benches_together(procs, seconds=7, settle_ms=2000, join_s=120)
         print("shares", got)
         learned = [e["message"] for e in d.events()
                    if e["kind"] == "throttle"]
