@@ -204,10 +204,8 @@ TYPES: tuple[EventType, ...] = (
               ("group", "device", "free_hz", "paced_hz", "ratio", "speed", "run_pct"),
               lambda d: f"group {d['group']!r} device {d['device']}: paced, it launches "
                         f"{d['paced_hz']:.0f}/s of running against {d['free_hz']:.0f}/s free "
-                        f"({d['ratio']:.0%}); " + (
-                            f"at a speed of {d['speed']:.0%} it runs {d['run_pct']:.1f}% of the "
-                            "time" if d["speed"] is not None else
-                            "one sample does not run it under its cap's share")),
+                        f"({d['ratio']:.0%}); at a speed of {d['speed']:.0%} it runs "
+                        f"{d['run_pct']:.1f}% of the time"),
     EventType(K.THROTTLE, "alone_done",
               ("group", "group_index", "device", "alone", "outcome", "learn_s", "released"),
               _alone_done),
