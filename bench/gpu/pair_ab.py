@@ -46,10 +46,11 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from suite_ab import markdown, mean_rate, of_free, reader, write_policy   # noqa: E402 - by path
+from suite_ab import markdown, reader, stretch, stretch_columns, write_policy   # noqa: E402 - by path
 from suite_run import workload_command           # noqa: E402
 
-STOP_RECHECK_S = 0.5    # the daemon's holds let go before a side is stopped for the other's stretch
+STOP_DELAY_S = 0.5    # the daemon's holds let go before a side is stopped for the other's stretch
+STOP_CHECK_S = 0.1      # ... and it is checked this often that it stays stopped
 HELD_SAMPLE_S = 0.01    # each side's state is read this often while capped together
 
 
@@ -81,25 +82,12 @@ def judge(pair: str, side: str, w: str, lines: list, spans: list, settle: float,
         if kind != "both":
             continue
         own = [(s0 + free_settle, e0) for k, s0, e0, _c in spans if k == side]
-        before = [sp for sp in own if sp[1] <= s][-1:]
-        after = [sp for sp in own if sp[0] >= e][:1]
-        refs = [mean_rate(lines, *sp)[0] for sp in before + after]
-        rate, series = mean_rate(lines, s + settle, e)
-        pct = of_free(lines, before + after, s + settle, e)
-        first = mean_rate(lines, s, s + settle)[0]
-        good = [r for r in refs if r]
-        ref = sum(good) / len(good) if good else None
-        cap = caps[idx]
+        before = next((sp for sp in reversed(own) if sp[1] <= s), None)
+        after = next((sp for sp in own if sp[0] >= e), None)
         seen = [st[idx] for t, st in stops if s + settle <= t <= e]
-        rows.append({"pair": pair, "side": side, "w": w, "cap": cap,
-                     "rate": rate and round(rate, 3),
-                     "ref_before": refs[0] and round(refs[0], 3) if before else None,
-                     "ref_after": refs[-1] and round(refs[-1], 3) if after else None,
-                     "pct": pct and round(pct, 1),
-                     "within5": pct is not None and abs(pct - cap) <= 5,
-                     "first_s_pct": first and ref and round(100 * first / ref, 1),
-                     "held": round(sum(seen) / len(seen), 3) if seen else None,
-                     "series": series})
+        rows.append({"pair": pair, "side": side, "w": w,
+                     **stretch(lines, s, e, caps[idx], before, after, settle),
+                     "held": round(sum(seen) / len(seen), 3) if seen else None})
     return rows
 
 
@@ -173,7 +161,7 @@ def run_pair(a, wa: str, wb: str) -> list[dict]:
                 write_policy(a.policy, {})
                 os.kill(a.daemon_pid, signal.SIGHUP)
                 os.kill(run.pid, signal.SIGCONT)
-                time.sleep(STOP_RECHECK_S)     # the daemon lets go of its holds first
+                time.sleep(STOP_DELAY_S)     # the daemon lets go of its holds first
                 os.kill(stop.pid, signal.SIGSTOP)
             while time.monotonic() < e:
                 drain()
@@ -183,7 +171,7 @@ def run_pair(a, wa: str, wb: str) -> list[dict]:
                     if now >= s + a.settle:
                         stops.append((now, [state(p.pid) in ("T", "t") for p in procs]))
                     continue
-                time.sleep(STOP_RECHECK_S / 5)
+                time.sleep(STOP_CHECK_S)
                 if state(stop.pid) not in ("T", "t", "?"):
                     os.kill(stop.pid, signal.SIGSTOP)
         drain()
@@ -236,12 +224,7 @@ def main() -> int:
     for pr in a.pairs.split():
         wa, wb = pr.split(":")
         rows += run_pair(a, wa, wb)
-    markdown(rows, [("pair", "pair", "l"), ("side", "w", "l"), ("cap", "cap", "r"),
-                    ("capped rate", "rate", "r"),
-                    ("own alone before / after", lambda r: f"{r['ref_before']} / {r['ref_after']}", "r"),
-                    ("% of alone", "pct", "r"),
-                    ("within ±5", lambda r: "yes" if r["within5"] else "no", "l"),
-                    ("first 3 s", "first_s_pct", "r"), ("time held", "held", "r")])
+    markdown(rows, [("pair", "pair", "l"), ("side", "w", "l"), *stretch_columns("alone")])
     return 0
 
 

@@ -121,6 +121,36 @@ def write_policy(path: str, caps: dict) -> None:
     os.replace(tmp, path)
 
 
+def stretch(lines: list, start: float, end: float, cap: int, before, after,
+            settle: float) -> dict:
+    """A capped stretch [start, end] (its first `settle` s left out) against
+    the free stretches `before` and `after` ((start, end) of their counted
+    part, or None): its rate, the free rates, its percentage of them
+    (of_free), whether within 5 points of `cap`, its first seconds' rate
+    against them, and its per-second series."""
+    free = [sp for sp in (before, after) if sp]
+    ref_before, ref_after = (mean_rate(lines, *sp)[0] if sp else None for sp in (before, after))
+    rate, series = mean_rate(lines, start + settle, end)
+    refs = [r for r in (ref_before, ref_after) if r]
+    ref = sum(refs) / len(refs) if refs else None
+    pct = of_free(lines, free, start + settle, end)
+    first = mean_rate(lines, start, start + settle)[0]
+    return {"cap": cap, "rate": rate and round(rate, 3),
+            "ref_before": ref_before and round(ref_before, 3),
+            "ref_after": ref_after and round(ref_after, 3), "pct": pct and round(pct, 1),
+            "within5": pct is not None and abs(pct - cap) <= 5,
+            "first_s_pct": first and ref and round(100 * first / ref, 1), "series": series}
+
+
+def stretch_columns(ref: str) -> list:
+    """markdown() columns of stretch()'s fields and "held"; `ref` names the reference."""
+    return [("cap", "cap", "r"), ("capped rate", "rate", "r"),
+            (f"own {ref} before / after", lambda r: f"{r['ref_before']} / {r['ref_after']}", "r"),
+            (f"% of {ref}", "pct", "r"),
+            ("within ±5", lambda r: "yes" if r["within5"] else "no", "l"),
+            ("first 3 s", "first_s_pct", "r"), ("time held", "held", "r")]
+
+
 def markdown(rows: list, columns: list) -> None:
     """Print rows as a markdown table: columns [(heading, key or function
     of a row, "l" or "r")]."""
@@ -259,22 +289,13 @@ def run_one(a, w: str) -> list[dict]:
     for i, (s, cap, e) in enumerate(spans):
         if cap is None:
             continue
-        before = mean_rate(lines, spans[i - 1][0] + 1.0, spans[i - 1][2])[0] if i > 0 else None
-        after = mean_rate(lines, spans[i + 1][0] + 1.0, spans[i + 1][2])[0] \
-            if i + 1 < len(spans) else None
-        rate, series = mean_rate(lines, s + a.settle, e)
-        refs = [r for r in (before, after) if r]
-        ref = sum(refs) / len(refs) if refs else None
-        free = [(spans[j][0] + 1.0, spans[j][2]) for j in (i - 1, i + 1) if 0 <= j < len(spans)]
-        pct = of_free(lines, free, s + a.settle, e)
-        first, _ = mean_rate(lines, s, s + a.settle)
+        before, after = ((spans[j][0] + 1.0, spans[j][2]) if 0 <= j < len(spans) else None
+                         for j in (i - 1, i + 1))
+        free = [sp for sp in (before, after) if sp]
         held = held_share(samples, s + a.settle, e)
-        r = {"w": w, "cap": cap, "rate": rate and round(rate, 3), "ref_before": before and round(before, 3),
-             "ref_after": after and round(after, 3), "pct": pct and round(pct, 1),
-             "within5": pct is not None and abs(pct - cap) <= 5,
-             "first_s_pct": first and ref and round(100 * first / ref, 1),
+        r = {"w": w, **stretch(lines, s, e, cap, before, after, a.settle),
              "held": held, "cpu": cpu_use(cpu, s + a.settle, e, held),
-             "cpu_free": [cpu_use(cpu, a0, b0, 0.0) for a0, b0 in free], "series": series}
+             "cpu_free": [cpu_use(cpu, a0, b0, 0.0) for a0, b0 in free]}
         print(json.dumps(r), flush=True)
         out.append(r)
     return out
@@ -302,11 +323,7 @@ def main() -> int:
     for w in a.workloads.split():
         done_edges.clear()
         rows += run_one(a, w)
-    markdown(rows, [("workload", "w", "l"), ("cap", "cap", "r"), ("capped rate", "rate", "r"),
-                    ("own uncapped before / after", lambda r: f"{r['ref_before']} / {r['ref_after']}", "r"),
-                    ("% of uncapped", "pct", "r"),
-                    ("within ±5", lambda r: "yes" if r["within5"] else "no", "l"),
-                    ("first 3 s", "first_s_pct", "r"), ("time held", "held", "r")])
+    markdown(rows, [("workload", "w", "l"), *stretch_columns("uncapped")])
     return 0
 
 
