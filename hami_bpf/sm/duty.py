@@ -106,7 +106,12 @@ hold, KeyDecision.sampling), and once known it runs cap / speed of the
 time (stop_share = 1 - speed, below 0 where it does more paced than free).
 What a sample ran over its share is kept apart (_Key.reserve) and added
 to its debt at REPAY_SHARE more per second it runs: its holds keep their
-length, and its share holds over the seconds after.
+length, and its share holds over the seconds after. Under SAMPLE_FROM_CAP
+nothing is sampled: a free second owes too much there (three seconds held
+at cap 25, a minute's repayment; three workloads capped at 25 for 30 s ran
+32-37% of their free speed, held 64-66% of the time), and the first guess
+is close enough: cap x (speed / (1 - HOST_STOP_SHARE) - 1) is within 5
+points there for any speed from progress.MIN_SPEED to 1.
 
 Little time inside synchronize calls does not always mean a GPU idle by the
 time the loop asks: a loop whose launch queue is full waits inside its
@@ -178,6 +183,9 @@ BUSY_WAIT_S = 3.0          # no reading this long after it looked launch-bound: 
                            # calls alone decide
 BUSY_READ_S = 0.1          # a device reading for it at most this often
 REPAY_SHARE = 0.25     # a free sample's debt is repaid at this much more per second it runs
+SAMPLE_FROM_CAP = 28.0  # caps under this are not sampled: HOST_STOP_SHARE keeps any speed from
+                        # progress.MIN_SPEED to 1 within 5 points there, and a free second
+                        # owes (100 - cap) / cap held (three at 25, a minute to repay)
 BESIDE_S = 1.0         # a group paced here by its synchronizes, active this recently, paces
                        # its device's groups that synchronize rarely here too
 DUE_EPS_S = 1e-6       # a debt or hold this close to its end has ended (a step at next_step
@@ -572,7 +580,8 @@ class DutyPacer:
                 k.launch_bound = False
             alone = mode is Mode.DUTY and key not in obs.shared and not by_neighbour
             drops = k.meter.dropped
-            sample = k.meter.step(now, u.launches, k.held_s, alone and k.sampled, held)
+            sample = k.meter.step(now, u.launches, k.held_s,
+                                  alone and k.sampled and k.cap >= SAMPLE_FROM_CAP, held)
             if sample is not None:
                 measured.append((key, sample))
             if k.meter.dropped != drops:

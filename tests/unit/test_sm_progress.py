@@ -226,6 +226,38 @@ def test_a_sampling_group_is_not_held_and_repays_what_the_sample_ran_after_it():
     assert held_s / t == pytest.approx(0.5, abs=0.02)
 
 
+@pytest.mark.parametrize("cap", [10.0, 25.0, duty.SAMPLE_FROM_CAP, 50.0])
+def test_caps_under_sample_from_cap_are_never_sampled_and_keep_the_first_guess(cap):
+    # A launch-bound loop (no time inside synchronize calls): under
+    # SAMPLE_FROM_CAP it never runs free, and runs cap / (1 - HOST_STOP_SHARE)
+    # of the time; from there up it is sampled.
+    p = duty.DutyPacer()
+    t, launches, syncs, held_since, held_s, sampled = 0.0, 0, 0, None, 0.0, False
+    while t < 60.0:
+        t += TICK
+        if held_since is None:
+            launches += 100
+            syncs += 1
+        else:
+            held_s += TICK
+        d = p.step(duty.Observation(
+            now=t, caps={KEY: cap}, use={KEY: duty.Use(launches, syncs, 0, launches, 0.0)},
+            held={0: held_since} if held_since is not None else {}))
+        k = d.keys[KEY]
+        sampled |= k.sampling
+        if 0 in d.release:
+            held_since = None
+        elif k.ask is not duty.Ask.NONE and held_since is None:
+            held_since = t
+    assert sampled == (cap >= duty.SAMPLE_FROM_CAP)
+    if cap < duty.SAMPLE_FROM_CAP:
+        assert p.speed(KEY) is None and p.reserve(KEY) == 0.0
+        assert 1 - held_s / t == pytest.approx(cap / 100 / (1 - duty.HOST_STOP_SHARE), abs=0.02)
+        # and the first guess is within 5 points for any speed it may have
+        for speed in (progress.MIN_SPEED, progress.MAX_SPEED):
+            assert abs(cap * (speed / (1 - duty.HOST_STOP_SHARE) - 1)) <= 5.0
+
+
 def test_the_controller_says_what_a_sample_measured():
     from test_sm_controller import PLAIN, Load, events, groups, step
     c = SmController(dataclasses.replace(PLAIN, sample_share=progress.SAMPLE_SHARE), epoch=0.0)
