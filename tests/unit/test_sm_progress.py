@@ -183,16 +183,12 @@ def test_the_speed_stays_within_its_bounds_and_no_sample_runs_a_group_under_its_
 KEY = (0, 0)
 
 
-def test_a_sampling_group_is_not_held_and_repays_what_the_sample_ran_after_it():
-    # A loop that loses nothing when held (a synchronize each 10 ms, 100
-    # launches each): measured at speed 1, it is held half the time at cap
-    # 50, its free samples included, once what they ran over it is repaid.
-    # (Nothing given back before it is measured: duty.HOST_STOP_SHARE's own tests.)
-    p = duty.DutyPacer(host_stop_share=0.0)
-    t, launches, syncs, held_since = 0.0, 0, 0, None
-    free_since, ran_free, asked_while_sampling = None, [], 0
-    held_s = reserve_after_first = last_debt = owed_before = 0.0
-    while t < 240.0:
+def paced(p: duty.DutyPacer, cap: float, seconds: float):
+    """A loop that loses nothing when held (a synchronize each TICK, 100
+    launches each, none of its time inside them) paced by `p` at `cap`:
+    (time, the pacer's decision, time held so far) after each step."""
+    t, launches, syncs, held_since, held_s = 0.0, 0, 0, None, 0.0
+    while t < seconds:
         t += TICK
         if held_since is None:
             launches += 100
@@ -200,8 +196,24 @@ def test_a_sampling_group_is_not_held_and_repays_what_the_sample_ran_after_it():
         else:
             held_s += TICK
         d = p.step(duty.Observation(
-            now=t, caps={KEY: 50.0}, use={KEY: duty.Use(launches, syncs, 0, launches, 0.0)},
+            now=t, caps={KEY: cap}, use={KEY: duty.Use(launches, syncs, 0, launches, 0.0)},
             held={0: held_since} if held_since is not None else {}))
+        yield t, d, held_s
+        if 0 in d.release:
+            held_since = None
+        elif d.keys[KEY].ask is not duty.Ask.NONE and held_since is None:
+            held_since = t
+
+
+def test_a_sampling_group_is_not_held_and_repays_what_the_sample_ran_after_it():
+    # A loop that loses nothing when held (`paced`): measured at speed 1,
+    # it is held half the time at cap
+    # 50, its free samples included, once what they ran over it is repaid.
+    # (Nothing given back before it is measured: duty.HOST_STOP_SHARE's own tests.)
+    p = duty.DutyPacer(host_stop_share=0.0)
+    free_since, ran_free, asked_while_sampling = None, [], 0
+    reserve_after_first = last_debt = owed_before = 0.0
+    for t, d, held_s in paced(p, 50.0, 240.0):
         k = d.keys[KEY]
         if k.sampling:
             if free_since is None:
@@ -213,10 +225,6 @@ def test_a_sampling_group_is_not_held_and_repays_what_the_sample_ran_after_it():
             if len(ran_free) == 1:
                 reserve_after_first = p.reserve(KEY)
         last_debt = k.debt
-        if 0 in d.release:
-            held_since = None
-        elif k.ask is not duty.Ask.NONE and held_since is None:
-            held_since = t
     assert len(ran_free) >= 4 and asked_while_sampling == 0
     assert ran_free[0] == pytest.approx(progress.SAMPLE_S, abs=2 * TICK)
     # what the sample ran owes as much as running paced would have, and
@@ -231,24 +239,9 @@ def test_caps_under_sample_from_cap_are_never_sampled_and_keep_the_first_guess(c
     # A launch-bound loop (no time inside synchronize calls): under
     # SAMPLE_FROM_CAP it never runs free, and runs cap / (1 - HOST_STOP_SHARE)
     # of the time; from there up it is sampled.
-    p = duty.DutyPacer()
-    t, launches, syncs, held_since, held_s, sampled = 0.0, 0, 0, None, 0.0, False
-    while t < 60.0:
-        t += TICK
-        if held_since is None:
-            launches += 100
-            syncs += 1
-        else:
-            held_s += TICK
-        d = p.step(duty.Observation(
-            now=t, caps={KEY: cap}, use={KEY: duty.Use(launches, syncs, 0, launches, 0.0)},
-            held={0: held_since} if held_since is not None else {}))
-        k = d.keys[KEY]
-        sampled |= k.sampling
-        if 0 in d.release:
-            held_since = None
-        elif k.ask is not duty.Ask.NONE and held_since is None:
-            held_since = t
+    p, sampled = duty.DutyPacer(), False
+    for t, d, held_s in paced(p, cap, 60.0):
+        sampled |= d.keys[KEY].sampling
     assert sampled == (cap >= duty.SAMPLE_FROM_CAP)
     if cap < duty.SAMPLE_FROM_CAP:
         assert p.speed(KEY) is None and p.reserve(KEY) == 0.0
