@@ -207,8 +207,8 @@ def paced(p: duty.DutyPacer, cap: float, seconds: float):
 
 def test_a_sampling_group_is_not_held_and_repays_what_the_sample_ran_after_it():
     # A loop that loses nothing when held (`paced`): measured at speed 1,
-    # it is held half the time at cap
-    # 50, its free samples included, once what they ran over it is repaid.
+    # it is held half the time at cap 50, its free samples included, once
+    # what they ran over it is repaid.
     # (Nothing given back before it is measured: duty.HOST_STOP_SHARE's own tests.)
     p = duty.DutyPacer(host_stop_share=0.0)
     free_since, ran_free, asked_while_sampling = None, [], 0
