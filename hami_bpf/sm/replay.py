@@ -94,17 +94,20 @@ class DutyController:
     """duty.DutyPacer for one group on one device, as the daemon would drive it."""
 
     def __init__(self, cap: float, group: int = 0, device: int = 0,
-                 pacer: duty.DutyPacer | None = None) -> None:
+                 pacer: duty.DutyPacer | None = None, start: float = 0.0) -> None:
         self.cap = cap
         self.key = (group, device)
         self.pacer = pacer or duty.DutyPacer()
+        self.start = start      # uncapped before (a cap set on a running process)
 
     def wants_util(self, now: float) -> bool:
-        return self.key[1] in self.pacer.wants_util(now)
+        return now >= self.start and self.key[1] in self.pacer.wants_util(now)
 
     def step(self, now: float, consumed: int, syncs: int, held_since: float | None,
              waiting: int = 0, launches: int = 0, sync_s: float = 0.0,
              util: float | None = None) -> Step:
+        if now < self.start:
+            return Step(duty.Ask.NONE, False, None, duty.Mode.BUDGET)
         g = self.key[0]
         obs = duty.Observation(now=now, caps={self.key: self.cap},
                                use={self.key: duty.Use(consumed, syncs, waiting, launches,
@@ -401,8 +404,10 @@ def replay(wl: Workload, controller: Controller | None = None, *, cap: float | N
 
 def replay_capped(wl: Workload, cap: float, *, horizon: float | None = None,
                   seen_after: float = 0.0, late_by: float = 0.0, tick: float = TICK_S,
-                  cold: Cold | None = None, pacer: duty.DutyPacer | None = None) -> Run:
-    return replay(wl, DutyController(cap, pacer=pacer), cap=cap, horizon=horizon,
+                  cold: Cold | None = None, pacer: duty.DutyPacer | None = None,
+                  start: float = 0.0) -> Run:
+    """`start`: the cap is set then (uncapped before)."""
+    return replay(wl, DutyController(cap, pacer=pacer, start=start), cap=cap, horizon=horizon,
                   seen_after=seen_after, late_by=late_by, tick=tick, cold=cold)
 
 
@@ -556,6 +561,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="run a recording's timed loop this many times over (workload.repeat_loop)")
     ap.add_argument("--sample-pct", type=float, default=100 * progress.SAMPLE_SHARE,
                     help="running time a launch-bound group runs free to measure its speed; 0: none")
+    ap.add_argument("--cap-from", type=float, default=None, metavar="S",
+                    help="set the cap S seconds into the timed loop, as on a running process "
+                         "(bench/gpu/suite_ab.sh), and take the loop's figures from there")
+    ap.add_argument("--stretch", type=float, default=None, metavar="S",
+                    help="with --cap-from: end each run S seconds after the cap is set")
     ap.add_argument("--pair", default=None, metavar="SPLITS",
                     help="replay the two recordings given side by side, one group each, at each "
                          "split of caps (e.g. 30:70,50:50), each side against its replay alone")
@@ -579,10 +589,15 @@ def main(argv: list[str] | None = None) -> int:
               f"drift {100 * fi['returns_drift']:.1f}%), lost {wl.lost}, nested {wl.nested}"
               + (f", timed loop {rec.loop_start:.2f}-{rec.loop_end:.2f} s"
                  if rec.loop_start is not None else ""))
+        start, loop, horizon = 0.0, (rec.loop_start, rec.loop_end), a.horizon
+        if a.cap_from is not None and rec.loop_start is not None:
+            start = rec.loop_start + a.cap_from     # the run is the base's until then
+            loop = (start, rec.loop_end)
+            horizon = start + a.stretch if a.stretch else horizon
         for cap in caps:
-            run = replay_capped(wl, cap, horizon=a.horizon, cold=cold,
+            run = replay_capped(wl, cap, horizon=horizon, cold=cold, start=start,
                                 pacer=duty.DutyPacer(sample_share=a.sample_pct / 100))
-            print("  " + compare(run, base, (rec.loop_start, rec.loop_end)).line())
+            print("  " + compare(run, base, loop).line())
     return 0
 
 

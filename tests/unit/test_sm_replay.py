@@ -477,6 +477,21 @@ def test_the_loop_mean_maps_the_loop_through_actions():
     assert rep.loop_mean is None and rep.loop_below_longest_s is None
 
 
+def test_a_cap_set_on_a_running_loop_holds_nothing_before_it():
+    # As bench/gpu/suite_ab.sh sets a cap: the run is the unthrottled one
+    # until then, held from then on, and its loop figures count from there.
+    rec, wl, base = workload("trace:llm_decode.json.gz")
+    start = rec.loop_start + 2.0
+    run = replay.replay_capped(wl, 50, horizon=start + 20.0, start=start, pacer=unsampled())
+    assert run.holds and min(h[0] for h in run.holds) >= start
+    before = [t for t in base.done_at if t < start - 0.01]
+    assert run.done_at[:len(before)] == pytest.approx(before, abs=1e-6)
+    rep = replay.compare(run, base, (start, rec.loop_end))
+    assert rep.loop_window[0] == pytest.approx(start + replay.LOOP_SETTLE_S, abs=0.05)
+    assert rep.loop_mean == pytest.approx(0.5 / (1 - duty.HOST_STOP_SHARE), abs=0.05)
+    assert all(r == pytest.approx(1.0, abs=0.02) for r in rep.ratios[:int(start) - 1])
+
+
 # -- a host loop that starts cold after each stop ---------------------------------
 
 COLD_KEYS = ("trace:llm_decode.json.gz", "trace:phased.json.gz")
