@@ -142,6 +142,7 @@ static unsigned long long g_used[MAX_DEVICES];
 static unsigned long long g_next_off[MAX_DEVICES];
 static unsigned long long g_next_va;
 static unsigned long long g_next_handle = 0x1000;
+static unsigned long long g_space; /* this copy's pointers and handles: its top bits */
 static unsigned long long g_launches;
 
 /*
@@ -230,6 +231,13 @@ static void load_config(void)
         if (!g_sim)
             fprintf(stderr, "fakecuda: cannot map the simulated GPU %s\n", sim);
     }
+    /* A process that loads a second copy of the library gets pointers and
+     * handles from it that the first copy never hands out, as a real
+     * driver's come from the process's one address space (UVA). */
+    unsigned long long a = (unsigned long long)(uintptr_t)&g_space;
+    a ^= a >> 29;
+    a *= 0x9e3779b97f4a7c15ULL;
+    g_space = (a >> 48) << 48;
     for (int i = 0; i < MAX_DEVICES; i++) {
         g_primary[i].magic = CTX_MAGIC;
         g_primary[i].dev = i;
@@ -300,7 +308,7 @@ static CUresult do_alloc(CUdeviceptr *dptr, unsigned long long size)
     do { /* the offset wraps after 1 TiB of churn: skip live pointers */
         if (g_next_off[dev] + span >= DEV_SPAN)
             g_next_off[dev] = 0;
-        ptr = PTR_BASE + ((unsigned long long)dev << 40) + g_next_off[dev];
+        ptr = g_space + PTR_BASE + ((unsigned long long)dev << 40) + g_next_off[dev];
         g_next_off[dev] += span;
     } while (table_find(ptr, NULL));
     a->key = ptr;
@@ -960,7 +968,7 @@ EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
         free(a);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
-    a->key = g_next_handle++;
+    a->key = g_space + g_next_handle++;
     a->size = size;
     a->kind = K_HANDLE;
     a->dev = dev;
@@ -995,7 +1003,7 @@ EXPORT CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignm
         return CUDA_ERROR_OUT_OF_MEMORY;
     pthread_mutex_lock(&g_lock);
     /* virtual ranges live above every device's pointer span */
-    unsigned long long base = PTR_BASE + ((unsigned long long)MAX_DEVICES << 40);
+    unsigned long long base = g_space + PTR_BASE + ((unsigned long long)MAX_DEVICES << 40);
     unsigned long long va = (base + g_next_va + align - 1) & ~(align - 1);
     g_next_va = va - base + ((size + align - 1) & ~(align - 1));
     a->key = va;

@@ -89,6 +89,22 @@ def test_allocation_accounting(fakecuda):
         assert p.exit(0) == 0
 
 
+def test_a_second_copy_of_the_library_hands_out_pointers_of_its_own(fakecuda, tmp_path):
+    # As a real driver's pointers come from the process's one address space:
+    # the daemon keys allocations by (pid, pointer).
+    import shutil
+    copy = tmp_path / "libcuda-copy.so.1"
+    shutil.copy2(fakecuda.libcuda, copy)
+    with CudaProc(fakecuda) as p:
+        p.cmd("init")
+        p.cmd("device 0")
+        first = p.cmd("alloc 1M")
+        second = p.cmd(f"copyalloc {copy} 1M 0")
+        assert first["rc"] == second["rc"] == "0"
+        assert int(first["ptr"], 16) != int(second["ptr"], 16)
+        assert p.exit(0) == 0
+
+
 def test_alloc_variants_and_matching_frees(fakecuda):
     with CudaProc(fakecuda, env={"FAKECUDA_TOTAL_MEM": "8G"}) as p:
         p.cmd("init")
