@@ -77,11 +77,11 @@ def cv(xs: list) -> float | None:
 
 
 def corr(a: list, b: list) -> float | None:
-    if len(a) < 3 or statistics.pstdev(a) == 0 or statistics.pstdev(b) == 0:
+    """Pearson's correlation; None where it is undefined (too few, or constant)."""
+    try:
+        return round(statistics.correlation(a, b), 3) if len(a) >= 3 else None
+    except statistics.StatisticsError:
         return None
-    ma, mb = statistics.mean(a), statistics.mean(b)
-    cov = sum((x - ma) * (y - mb) for x, y in zip(a, b)) / len(a)
-    return round(cov / (statistics.pstdev(a) * statistics.pstdev(b)), 3)
 
 
 def measure(w: str, seconds: float, kinds: list, cpus: list) -> dict:
