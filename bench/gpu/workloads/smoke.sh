@@ -5,7 +5,7 @@
 # Prints each one's summary line, or its exit status and the end of its stderr.
 cd "$(dirname "$0")"
 OUT=${OUT:-/tmp/smoke}; mkdir -p "$OUT"
-ALL="cnn_train llm_decode llm_prefill graph_replay jax_train triton_loop phased compiled_train bert_infer gpt2_decode loader_train lstm_train t5_generate threaded_infer"
+ALL="cnn_train llm_decode llm_prefill graph_replay jax_train triton_loop phased compiled_train bert_infer gpt2_decode loader_train lstm_train t5_generate threaded_infer jax_decode unet_sample cupy_fluid"
 declare -A P
 for w in ${WORKLOADS:-$ALL}; do
   timeout -k 5 ${SMOKE_TIMEOUT:-180} python3 $w.py --seconds ${SMOKE_SECONDS:-3} > "$OUT/smoke-$w.out" 2> "$OUT/smoke-$w.err" &
