@@ -296,6 +296,13 @@ static __always_inline __u32 deny(struct pt_regs *ctx, struct hami_config *c)
 	}
 }
 
+/* The name space an allocating call's result lives in (HAMI_KIND_*). */
+static __always_inline __u32 alloc_kind_of(__u32 fn)
+{
+	return fn == HAMI_FN_CREATE ? HAMI_KIND_HANDLE :
+	       fn == HAMI_FN_ARRAY ? HAMI_KIND_ARRAY : HAMI_KIND_PTR;
+}
+
 /*
  * Common entry of every allocation: reserve `size` on the group's device
  * atomically, so two processes of one group can't both pass a check that only
@@ -348,7 +355,7 @@ static __always_inline int alloc_enter(struct pt_regs *ctx, __u32 fn, __u64 out,
 					/* The probed entry: where stop-and-rewrite expects the
 					 * stopped thread (entry + the emulated push). */
 					e->ptr = PT_REGS_IP(ctx);
-					e->alloc_kind = fn == HAMI_FN_CREATE ? HAMI_KIND_HANDLE : HAMI_KIND_PTR;
+					e->alloc_kind = alloc_kind_of(fn);
 					e->flags = act == HAMI_ACT_STOP_REWRITE ? HAMI_F_STOPPED : 0;
 					events.ringbuf_submit(e, 0);
 					if (refused) {
@@ -388,7 +395,8 @@ static __always_inline int alloc_return(struct pt_regs *ctx)
 	struct hami_call call;
 	if (!take_call(tid, &call))
 		return 0;
-	if (call.fn != HAMI_FN_ALLOC && call.fn != HAMI_FN_PITCH && call.fn != HAMI_FN_CREATE)
+	if (call.fn != HAMI_FN_ALLOC && call.fn != HAMI_FN_PITCH && call.fn != HAMI_FN_CREATE &&
+	    call.fn != HAMI_FN_ARRAY)
 		return 0;
 
 	int rc = (int)PT_REGS_RC(ctx);
@@ -422,7 +430,7 @@ static __always_inline int alloc_return(struct pt_regs *ctx)
 
 	__u32 kind = 0;
 	if (rc == HAMI_CUDA_SUCCESS) {
-		kind = call.fn == HAMI_FN_CREATE ? HAMI_KIND_HANDLE : HAMI_KIND_PTR;
+		kind = alloc_kind_of(call.fn);
 		struct hami_akey ak = { .tgid = tgid, .kind = kind, .ptr = ptr };
 		struct hami_proc *p = procs.lookup(&tgid);
 		struct hami_alloc rec = { .size = size, .device = call.device,
@@ -680,6 +688,117 @@ int uprobe__cuMemCreate(struct pt_regs *ctx)
 	return 0;
 }
 
+/* One element of a CUDA array: its channels' bytes by format, or the most
+ * any format takes where the format is not one of the plain ones. */
+static __always_inline __u64 array_elem_bytes(__u32 format, __u32 channels)
+{
+	__u64 ch;
+	switch (format) {
+	case HAMI_AD_UNSIGNED_INT8:
+	case HAMI_AD_SIGNED_INT8:
+		ch = 1;
+		break;
+	case HAMI_AD_UNSIGNED_INT16:
+	case HAMI_AD_SIGNED_INT16:
+	case HAMI_AD_HALF:
+		ch = 2;
+		break;
+	case HAMI_AD_UNSIGNED_INT32:
+	case HAMI_AD_SIGNED_INT32:
+	case HAMI_AD_FLOAT:
+		ch = 4;
+		break;
+	default:
+		return HAMI_ARRAY_ELEM_MAX;
+	}
+	/* 1, 2 or 4 channels; the driver refuses others, so bound them only. */
+	if (channels < 1)
+		channels = 1;
+	if (channels > 4)
+		channels = 4;
+	return ch * channels;
+}
+
+/* Bytes of a CUDA array of w x h x d elements (a zero dimension counts as
+ * one), over `levels` mipmap levels, each half the one before in every
+ * dimension but Depth where it counts layers or cube faces. */
+static __always_inline __u64 array_bytes(__u64 w, __u64 h, __u64 d, __u64 elem, __u32 flags,
+					 __u32 levels)
+{
+	int halve_d = !(flags & (HAMI_ARRAY3D_LAYERED | HAMI_ARRAY3D_CUBEMAP));
+	__u64 total = 0;
+	if (!w)
+		w = 1;
+	if (!h)
+		h = 1;
+	if (!d)
+		d = 1;
+#pragma unroll
+	for (int i = 0; i < HAMI_MIPMAP_LEVELS_MAX; i++) {
+		if (i > 0 && (__u32)i >= levels)
+			break;
+		total += w * h * d * elem;
+		w = w > 1 ? w >> 1 : 1;
+		h = h > 1 ? h >> 1 : 1;
+		if (halve_d)
+			d = d > 1 ? d >> 1 : 1;
+	}
+	return total;
+}
+
+/* A CUDA_ARRAY3D_DESCRIPTOR's size over `levels` levels (0 when unreadable). */
+static __always_inline __u64 array3d_bytes(__u64 desc, __u32 levels)
+{
+	__u64 w = 0, h = 0, d = 0;
+	__u32 fmt = 0, ch = 0, flags = 0;
+	if (!desc)
+		return 0;
+	if (bpf_probe_read_user(&w, sizeof(w), (void *)(desc + HAMI_ARRAY_WIDTH)) ||
+	    bpf_probe_read_user(&h, sizeof(h), (void *)(desc + HAMI_ARRAY_HEIGHT)) ||
+	    bpf_probe_read_user(&d, sizeof(d), (void *)(desc + HAMI_ARRAY3D_DEPTH)) ||
+	    bpf_probe_read_user(&fmt, sizeof(fmt), (void *)(desc + HAMI_ARRAY3D_FORMAT)) ||
+	    bpf_probe_read_user(&ch, sizeof(ch), (void *)(desc + HAMI_ARRAY3D_CHANNELS)) ||
+	    bpf_probe_read_user(&flags, sizeof(flags), (void *)(desc + HAMI_ARRAY3D_FLAGS)))
+		return 0;
+	return array_bytes(w, h, d, array_elem_bytes(fmt, ch), flags, levels);
+}
+
+/* cuArrayCreate_v2(CUarray *pHandle, const CUDA_ARRAY_DESCRIPTOR *desc) */
+int uprobe__cuArrayCreate_v2(struct pt_regs *ctx)
+{
+	keep_off_private_stack(ctx);
+	__u64 desc = PT_REGS_PARM2(ctx), w = 0, h = 0, size = 0;
+	__u32 fmt = 0, ch = 0;
+	if (desc &&
+	    !bpf_probe_read_user(&w, sizeof(w), (void *)(desc + HAMI_ARRAY_WIDTH)) &&
+	    !bpf_probe_read_user(&h, sizeof(h), (void *)(desc + HAMI_ARRAY_HEIGHT)) &&
+	    !bpf_probe_read_user(&fmt, sizeof(fmt), (void *)(desc + HAMI_ARRAY_FORMAT)) &&
+	    !bpf_probe_read_user(&ch, sizeof(ch), (void *)(desc + HAMI_ARRAY_CHANNELS)))
+		size = array_bytes(w, h, 1, array_elem_bytes(fmt, ch), 0, 1);
+	alloc_enter(ctx, HAMI_FN_ARRAY, PT_REGS_PARM1(ctx), size, -1, 0, 0);
+	return 0;
+}
+
+/* cuArray3DCreate_v2(CUarray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *desc) */
+int uprobe__cuArray3DCreate_v2(struct pt_regs *ctx)
+{
+	keep_off_private_stack(ctx);
+	alloc_enter(ctx, HAMI_FN_ARRAY, PT_REGS_PARM1(ctx), array3d_bytes(PT_REGS_PARM2(ctx), 1),
+		    -1, 0, 0);
+	return 0;
+}
+
+/* cuMipmappedArrayCreate(CUmipmappedArray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *desc,
+ *                        unsigned int numMipmapLevels) */
+int uprobe__cuMipmappedArrayCreate(struct pt_regs *ctx)
+{
+	keep_off_private_stack(ctx);
+	__u32 levels = (__u32)PT_REGS_PARM3(ctx);
+	alloc_enter(ctx, HAMI_FN_ARRAY, PT_REGS_PARM1(ctx),
+		    array3d_bytes(PT_REGS_PARM2(ctx), levels), -1, 0, 0);
+	return 0;
+}
+
 int uretprobe__alloc_return(struct pt_regs *ctx)
 {
 	keep_off_private_stack(ctx);
@@ -691,6 +810,13 @@ int uprobe__cuMemFree_v2(struct pt_regs *ctx)
 {
 	keep_off_private_stack(ctx);
 	return free_enter(ctx, HAMI_KIND_PTR, PT_REGS_PARM1(ctx));
+}
+
+/* cuArrayDestroy(CUarray), cuMipmappedArrayDestroy(CUmipmappedArray) */
+int uprobe__cuArrayDestroy(struct pt_regs *ctx)
+{
+	keep_off_private_stack(ctx);
+	return free_enter(ctx, HAMI_KIND_ARRAY, PT_REGS_PARM1(ctx));
 }
 
 /* cuMemRelease(CUmemGenericAllocationHandle) */

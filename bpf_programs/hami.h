@@ -30,10 +30,11 @@
 #define HAMI_EV_LIBOPEN    13  /* a file opened under a name like the driver library's was mapped executable: aux = its fd; stopped (flags) */
 /* 9 is unused (it once named an event nothing sent): leave it unassigned. */
 
-/* Allocation kinds: a device pointer and a cuMemCreate handle are different
- * name spaces in one process. */
+/* Allocation kinds: a device pointer, a cuMemCreate handle and a CUDA array
+ * (CUarray, CUmipmappedArray) are different name spaces in one process. */
 #define HAMI_KIND_PTR     0
 #define HAMI_KIND_HANDLE  1
+#define HAMI_KIND_ARRAY   2
 
 /* Event flags. */
 #define HAMI_F_STOPPED    (1u << 0) /* we sent SIGSTOP; the controller must resume */
@@ -54,6 +55,40 @@
 
 /* Byte offset of CUmemAllocationProp.location.id (the device of a cuMemCreate). */
 #define HAMI_MEMPROP_LOCATION_ID 12
+
+/* CUDA arrays: the byte offsets of the descriptor fields their size is
+ * computed from. CUDA_ARRAY_DESCRIPTOR {size_t Width, Height; CUarray_format
+ * Format; unsigned NumChannels} (cuArrayCreate_v2) and CUDA_ARRAY3D_DESCRIPTOR
+ * {size_t Width, Height, Depth; CUarray_format Format; unsigned NumChannels,
+ * Flags} (cuArray3DCreate_v2, cuMipmappedArrayCreate). */
+#define HAMI_ARRAY_WIDTH          0
+#define HAMI_ARRAY_HEIGHT         8
+#define HAMI_ARRAY_FORMAT        16
+#define HAMI_ARRAY_CHANNELS      20
+#define HAMI_ARRAY3D_DEPTH       16
+#define HAMI_ARRAY3D_FORMAT      24
+#define HAMI_ARRAY3D_CHANNELS    28
+#define HAMI_ARRAY3D_FLAGS       32
+/* CUarray_format values whose channel size is known: 1, 2 and 4 bytes. Any
+ * other format (normalized, block-compressed, video) is charged
+ * HAMI_ARRAY_ELEM_MAX bytes an element, the largest any format has
+ * (4 channels of 4 bytes): over, never under. */
+#define HAMI_AD_UNSIGNED_INT8   0x01
+#define HAMI_AD_UNSIGNED_INT16  0x02
+#define HAMI_AD_UNSIGNED_INT32  0x03
+#define HAMI_AD_SIGNED_INT8     0x08
+#define HAMI_AD_SIGNED_INT16    0x09
+#define HAMI_AD_SIGNED_INT32    0x0a
+#define HAMI_AD_HALF            0x10
+#define HAMI_AD_FLOAT           0x20
+#define HAMI_ARRAY_ELEM_MAX       16
+/* CUDA_ARRAY3D_DESCRIPTOR.Flags whose Depth counts layers or cube faces,
+ * which mipmap levels do not halve. */
+#define HAMI_ARRAY3D_LAYERED    0x01
+#define HAMI_ARRAY3D_CUBEMAP    0x04
+/* Mipmap levels summed at most (a driver allows fewer: a level per halving
+ * of the largest dimension). */
+#define HAMI_MIPMAP_LEVELS_MAX    32
 
 /* nvmlMemory_t {total, free, used} and nvmlMemory_v2_t {version (padded to
  * 8), total, reserved, free, used}: the struct version (HAMI_EV_NVMLMEM's
@@ -220,6 +255,7 @@ struct hami_call {
 #define HAMI_FN_CTXPOP    8
 #define HAMI_FN_NVMLHANDLE 9
 #define HAMI_FN_NVMLMEM   10
+#define HAMI_FN_ARRAY     11   /* cuArrayCreate_v2, cuArray3DCreate_v2, cuMipmappedArrayCreate */
 
 /* ctx_dev: key (tgid, context pointer) -> device. */
 struct hami_ckey {

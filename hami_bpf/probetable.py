@@ -24,6 +24,11 @@ CORE_PROBES: dict[str, tuple[str, str | None]] = {
     "cuMemFreeAsync": ("uprobe__cuMemFree_v2", None),
     "cuMemFreeAsync_ptsz": ("uprobe__cuMemFree_v2", None),
     "cuMemRelease": ("uprobe__cuMemRelease", None),
+    "cuArrayCreate_v2": ("uprobe__cuArrayCreate_v2", "uretprobe__alloc_return"),
+    "cuArray3DCreate_v2": ("uprobe__cuArray3DCreate_v2", "uretprobe__alloc_return"),
+    "cuMipmappedArrayCreate": ("uprobe__cuMipmappedArrayCreate", "uretprobe__alloc_return"),
+    "cuArrayDestroy": ("uprobe__cuArrayDestroy", None),
+    "cuMipmappedArrayDestroy": ("uprobe__cuArrayDestroy", None),
     "cuMemGetInfo_v2": ("uprobe__cuMemGetInfo_v2", "uretprobe__meminfo_return"),
     "cuDeviceTotalMem_v2": ("uprobe__cuDeviceTotalMem_v2", "uretprobe__meminfo_return"),
 }
@@ -38,8 +43,7 @@ NVML_PROBES: dict[str, tuple[str, str | None]] = {
 
 
 # Entry points whose denial is undone by stop-and-rewrite (their uprobe runs admission).
-ALLOC_SYMBOLS = tuple(s for s, (p, _) in CORE_PROBES.items()
-                      if p in ("uprobe__cuMemAlloc_v2", "uprobe__cuMemAllocPitch_v2", "uprobe__cuMemCreate"))
+ALLOC_SYMBOLS = tuple(s for s, (_, ret) in CORE_PROBES.items() if ret == "uretprobe__alloc_return")
 
 # Launch entry points -> the program that charges them (attached only on demand).
 LAUNCH_PROBES: dict[str, str] = {

@@ -25,7 +25,12 @@ from .memory import Place
 from .metrics import observe_exit_latency
 from .slots import SlotTable
 
-HANDLE_BIT = 1 << 64   # cuMemCreate handles and device pointers are separate name spaces
+
+def alloc_key(e: abi.Event) -> int:
+    """An allocation's key in the table: its pointer or handle, in the name
+    space of its kind (device pointers, cuMemCreate handles and CUDA arrays
+    are separate ones in one process)."""
+    return e.ptr | (e.alloc_kind << 64)
 
 
 @dataclass
@@ -159,7 +164,7 @@ class ProcessRegistry:
 
     def allocated(self, e: abi.Event) -> None:
         pid = e.tgid
-        ptr = e.ptr | (HANDLE_BIT if e.alloc_kind == abi.KIND_HANDLE else 0)
+        ptr = alloc_key(e)
         before = self.table.process(pid)
         first_use = before is not None and not before.used.get(e.device)
         self.table.apply(MemoryAllocated(pid, e.device, e.size, ptr, e.ts_ns))
@@ -173,7 +178,7 @@ class ProcessRegistry:
         self.counters["alloc_failures"] += 1
 
     def freed(self, e: abi.Event) -> None:
-        ptr = e.ptr | (HANDLE_BIT if e.alloc_kind == abi.KIND_HANDLE else 0)
+        ptr = alloc_key(e)
         self.table.apply(MemoryFreed(e.tgid, ptr, e.ts_ns))
 
     # -- leaving ---------------------------------------------------------------

@@ -11,6 +11,8 @@
  *   init | pid | device N | ctxcreate N | ctxpush | ctxpop | ctxdestroy
  *   alloc SIZE | allocpitch W H ELEM | allocmanaged SIZE | allocasync SIZE
  *   allocpool SIZE | create SIZE DEV | vmm SIZE DEV | free ID | meminfo
+ *   array W H FORMAT CHANNELS | array3d W H D FORMAT CHANNELS FLAGS
+ *   mipmap W H D FORMAT CHANNELS FLAGS LEVELS (CUDA arrays; freed by free ID)
  *   totalmem N | launch N | launchex N | coop N | graph N
  *   getproc NAME [FLAGS] | procalloc SIZE | thread CMD... | sleep MS
  *   copyalloc PATH SIZE UNLINK (through a private copy of the driver at PATH)
@@ -94,6 +96,19 @@ CUresult cuMemMap(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, uns
 CUresult cuMemUnmap(CUdeviceptr, size_t);
 CUresult cuMemSetAccess(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t);
 CUresult cuMemGetInfo_v2(size_t *, size_t *);
+typedef struct CUarray_st *CUarray;
+typedef struct CUmipmappedArray_st *CUmipmappedArray;
+typedef struct { size_t Width, Height; int Format; unsigned int NumChannels; } CUDA_ARRAY_DESCRIPTOR;
+typedef struct {
+    size_t Width, Height, Depth;
+    int Format;
+    unsigned int NumChannels, Flags;
+} CUDA_ARRAY3D_DESCRIPTOR;
+CUresult cuArrayCreate_v2(CUarray *, const CUDA_ARRAY_DESCRIPTOR *);
+CUresult cuArray3DCreate_v2(CUarray *, const CUDA_ARRAY3D_DESCRIPTOR *);
+CUresult cuMipmappedArrayCreate(CUmipmappedArray *, const CUDA_ARRAY3D_DESCRIPTOR *, unsigned int);
+CUresult cuArrayDestroy(CUarray);
+CUresult cuMipmappedArrayDestroy(CUmipmappedArray);
 CUresult cuDeviceTotalMem_v2(size_t *, CUdevice);
 CUresult cuLaunchKernel(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                         unsigned, CUstream, void **, void **);
@@ -105,7 +120,7 @@ CUresult cuCtxSynchronize(void);
 CUresult cuCtxSynchronize_v2(CUcontext);
 CUresult cuGetProcAddress_v2(const char *, void **, int, unsigned long long, int *);
 
-enum { A_FREE = 0, A_PTR, A_ASYNC, A_HANDLE, A_VMM };
+enum { A_FREE = 0, A_PTR, A_ASYNC, A_HANDLE, A_VMM, A_ARRAY, A_MIPMAP };
 
 struct slot {
     int kind;
@@ -463,6 +478,31 @@ static void run_command(char *line)
         rc = cuMemAllocPitch_v2(&ptr, &pitch, w, h, (unsigned)n);
         int id = rc ? -1 : new_slot(A_PTR, ptr, 0, pitch * h);
         reply("ok rc=%d id=%d ptr=0x%llx pitch=%zu", rc, id, rc ? 0ULL : ptr, pitch);
+    } else if (!strcmp(c, "array") || !strcmp(c, "array3d") || !strcmp(c, "mipmap")) {
+        /* array W H FORMAT CHANNELS | array3d W H D FORMAT CHANNELS FLAGS |
+         * mipmap W H D FORMAT CHANNELS FLAGS LEVELS (dimensions in elements) */
+        int is2d = !strcmp(c, "array"), mip = !strcmp(c, "mipmap");
+        const char *usage = is2d ? "array W H FORMAT CHANNELS"
+                            : mip ? "mipmap W H D FORMAT CHANNELS FLAGS LEVELS"
+                                  : "array3d W H D FORMAT CHANNELS FLAGS";
+        NEED(is2d ? 4 : mip ? 7 : 6, usage);
+        long long v[7] = {0};
+        for (int i = 1; i < argc; i++)
+            INT_ARG(i, v[i - 1], usage);
+        void *h = NULL;
+        if (is2d) {
+            CUDA_ARRAY_DESCRIPTOR d = {(size_t)v[0], (size_t)v[1], (int)v[2], (unsigned)v[3]};
+            rc = cuArrayCreate_v2((CUarray *)&h, &d);
+        } else {
+            CUDA_ARRAY3D_DESCRIPTOR d = {(size_t)v[0], (size_t)v[1], (size_t)v[2], (int)v[3],
+                                         (unsigned)v[4], (unsigned)v[5]};
+            rc = mip ? cuMipmappedArrayCreate((CUmipmappedArray *)&h, &d, (unsigned)v[6])
+                     : cuArray3DCreate_v2((CUarray *)&h, &d);
+        }
+        int id = rc ? -1 : new_slot(mip ? A_MIPMAP : A_ARRAY, 0,
+                                    (CUmemGenericAllocationHandle)(uintptr_t)h, 0);
+        reply("ok rc=%d id=%d handle=0x%llx", rc, id,
+              rc ? 0ULL : (unsigned long long)(uintptr_t)h);
     } else if (!strcmp(c, "create") || !strcmp(c, "vmm")) {
         NEED(2, "create SIZE DEV");
         SIZE_ARG(1, "create SIZE DEV");
@@ -506,6 +546,8 @@ static void run_command(char *line)
         case A_PTR: rc = cuMemFree_v2(s.ptr); break;
         case A_ASYNC: rc = cuMemFreeAsync(s.ptr, NULL); break;
         case A_HANDLE: rc = cuMemRelease(s.handle); break;
+        case A_ARRAY: rc = cuArrayDestroy((CUarray)(uintptr_t)s.handle); break;
+        case A_MIPMAP: rc = cuMipmappedArrayDestroy((CUmipmappedArray)(uintptr_t)s.handle); break;
         case A_VMM:
             rc = cuMemUnmap(s.ptr, s.size);
             if (!rc)

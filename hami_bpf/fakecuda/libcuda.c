@@ -72,6 +72,19 @@ typedef struct CUmemAllocationProp_st {
     } allocFlags;
 } CUmemAllocationProp;
 
+typedef struct CUarray_st *CUarray;
+typedef struct CUmipmappedArray_st *CUmipmappedArray;
+typedef struct {
+    size_t Width, Height;
+    int Format;               /* CUarray_format */
+    unsigned int NumChannels;
+} CUDA_ARRAY_DESCRIPTOR;
+typedef struct {
+    size_t Width, Height, Depth;
+    int Format;
+    unsigned int NumChannels, Flags;
+} CUDA_ARRAY3D_DESCRIPTOR;
+
 typedef struct CUmemAccessDesc_st {
     CUmemLocation location;
     int flags;
@@ -121,7 +134,7 @@ struct CUctx_st {
     int alive;
 };
 
-enum { K_PTR = 1, K_HANDLE = 2, K_VA = 3 };
+enum { K_PTR = 1, K_HANDLE = 2, K_VA = 3, K_ARRAY = 4 };
 
 struct alloc {
     struct alloc *next;
@@ -332,7 +345,8 @@ static CUresult do_free(unsigned long long key, int kind)
     struct alloc *a = table_find(key, &pp);
     if (!a || a->kind != kind) {
         pthread_mutex_unlock(&g_lock);
-        return kind == K_HANDLE ? CUDA_ERROR_INVALID_HANDLE : CUDA_ERROR_INVALID_VALUE;
+        return kind == K_HANDLE || kind == K_ARRAY ? CUDA_ERROR_INVALID_HANDLE
+                                                   : CUDA_ERROR_INVALID_VALUE;
     }
     *pp = a->next;
     if (a->dev >= 0)
@@ -983,6 +997,117 @@ EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
 {
     ENTRY();
     return do_free(handle, K_HANDLE);
+}
+
+/* ---- CUDA arrays ------------------------------------------------------------- */
+/* A channel's bytes by CUarray_format; 0 for a format the stand-in refuses.
+ * The 8-bit normalized formats (CU_AD_FORMAT_UNORM_INT8X1/X2/X4) stand for
+ * the formats whose size a CUarray_format alone does not say. */
+static unsigned long long array_channel_bytes(int format)
+{
+    switch (format) {
+    case 0x01: case 0x08: return 1;                 /* [UN]SIGNED_INT8 */
+    case 0x02: case 0x09: case 0x10: return 2;      /* [UN]SIGNED_INT16, HALF */
+    case 0x03: case 0x0a: case 0x20: return 4;      /* [UN]SIGNED_INT32, FLOAT */
+    case 0xc0: case 0xc1: case 0xc2: return 1;      /* UNORM_INT8X1, X2, X4 */
+    default: return 0;
+    }
+}
+
+/* Device bytes of a w x h x d array (a zero dimension counts as one) over
+ * `levels` mipmap levels, each half the one before (Depth too, unless it
+ * counts layers or cube faces); 0 where the descriptor is refused. */
+static unsigned long long array_size(size_t w, size_t h, size_t d, int format,
+                                     unsigned channels, unsigned flags, unsigned levels)
+{
+    unsigned long long ch = array_channel_bytes(format);
+    if (!ch || w == 0 || (channels != 1 && channels != 2 && channels != 4) || levels == 0 ||
+        levels > 32 || (flags & ~0x05u))   /* CUDA_ARRAY3D_LAYERED, CUDA_ARRAY3D_CUBEMAP */
+        return 0;
+    if ((flags & 0x04) && (w != h || (d % 6) != 0))
+        return 0;
+    unsigned long long total = 0, W = w, H = h ? h : 1, D = d ? d : 1;
+    for (unsigned i = 0; i < levels; i++) {
+        total += W * H * D * ch * channels;
+        W = W > 1 ? W >> 1 : 1;
+        H = H > 1 ? H >> 1 : 1;
+        if (!(flags & 0x05))
+            D = D > 1 ? D >> 1 : 1;
+    }
+    return total;
+}
+
+/* Charge `size` bytes to the current context's device; a new array handle. */
+static CUresult do_array(void **handle, unsigned long long size)
+{
+    if (!g_initialized)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    if (!handle || size == 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    struct CUctx_st *ctx = current_ctx();
+    if (!ctx_valid(ctx))
+        return CUDA_ERROR_INVALID_CONTEXT;
+    struct alloc *a = calloc(1, sizeof(*a));
+    if (!a)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    pthread_mutex_lock(&g_lock);
+    if (size > g_total || g_used[ctx->dev] + size > g_total) {
+        pthread_mutex_unlock(&g_lock);
+        free(a);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    a->key = g_space + g_next_handle++;
+    a->size = size;
+    a->kind = K_ARRAY;
+    a->dev = ctx->dev;
+    a->ctx = ctx;
+    table_insert(a);
+    g_used[ctx->dev] += size;
+    pthread_mutex_unlock(&g_lock);
+    *handle = (void *)(uintptr_t)a->key;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuArrayCreate_v2(CUarray *pHandle, const CUDA_ARRAY_DESCRIPTOR *desc)
+{
+    ENTRY();
+    if (!desc)
+        return g_initialized ? CUDA_ERROR_INVALID_VALUE : CUDA_ERROR_NOT_INITIALIZED;
+    return do_array((void **)pHandle, array_size(desc->Width, desc->Height, 1, desc->Format,
+                                                 desc->NumChannels, 0, 1));
+}
+
+EXPORT CUresult cuArray3DCreate_v2(CUarray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *desc)
+{
+    ENTRY();
+    if (!desc)
+        return g_initialized ? CUDA_ERROR_INVALID_VALUE : CUDA_ERROR_NOT_INITIALIZED;
+    return do_array((void **)pHandle, array_size(desc->Width, desc->Height, desc->Depth,
+                                                 desc->Format, desc->NumChannels, desc->Flags, 1));
+}
+
+EXPORT CUresult cuMipmappedArrayCreate(CUmipmappedArray *pHandle,
+                                       const CUDA_ARRAY3D_DESCRIPTOR *desc,
+                                       unsigned int numMipmapLevels)
+{
+    ENTRY();
+    if (!desc)
+        return g_initialized ? CUDA_ERROR_INVALID_VALUE : CUDA_ERROR_NOT_INITIALIZED;
+    return do_array((void **)pHandle, array_size(desc->Width, desc->Height, desc->Depth,
+                                                 desc->Format, desc->NumChannels, desc->Flags,
+                                                 numMipmapLevels));
+}
+
+EXPORT CUresult cuArrayDestroy(CUarray hArray)
+{
+    ENTRY();
+    return do_free((unsigned long long)(uintptr_t)hArray, K_ARRAY);
+}
+
+EXPORT CUresult cuMipmappedArrayDestroy(CUmipmappedArray hMipmappedArray)
+{
+    ENTRY();
+    return do_free((unsigned long long)(uintptr_t)hMipmappedArray, K_ARRAY);
 }
 
 EXPORT CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment,

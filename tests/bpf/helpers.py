@@ -565,12 +565,36 @@ def parse_size(s: str) -> int:
     return int(s, 0)
 
 
+# What the probes charge a CUDA array (bpf_programs/hami.h): the plain
+# formats by their channel's bytes, any other at the most an element takes.
+ARRAY_CHANNEL_BYTES = {0x01: 1, 0x08: 1, 0x02: 2, 0x09: 2, 0x10: 2, 0x03: 4, 0x0A: 4, 0x20: 4}
+ARRAY_ELEM_MAX = 16
+
+
+def array_charge(w: int, h: int, d: int, fmt: int, channels: int, flags: int = 0,
+                 levels: int = 1) -> int:
+    """Bytes charged for a w x h x d CUDA array over `levels` mipmap levels."""
+    elem = (ARRAY_CHANNEL_BYTES[fmt] * min(max(channels, 1), 4) if fmt in ARRAY_CHANNEL_BYTES
+            else ARRAY_ELEM_MAX)
+    w, h, d = max(w, 1), max(h, 1), max(d, 1)
+    total = 0
+    for _ in range(max(levels, 1)):
+        total += w * h * d * elem
+        w, h = max(w >> 1, 1), max(h >> 1, 1)
+        if not flags & 0x05:        # layers and cube faces are not halved
+            d = max(d >> 1, 1)
+    return total
+
+
 def alloc_size(line: str, reply: Mapping[str, str]) -> int:
     words = line.split()
     if words[0] == "thread":
         words = words[1:]
     if words[0] == "allocpitch":
         return int(reply["pitch"]) * parse_size(words[2])
+    if words[0] in ("array", "array3d", "mipmap"):
+        v = [int(x, 0) for x in words[1:]]
+        return array_charge(v[0], v[1], 1, v[2], v[3]) if words[0] == "array" else array_charge(*v)
     return parse_size(words[1])
 
 

@@ -183,6 +183,39 @@ def test_a_refusal_cut_short_is_still_charged(daemon, fakecuda):
             assert escaped == 0
 
 
+def test_cuda_arrays_are_charged_limited_and_given_back(daemon, fakecuda):
+    """Textures and surfaces take device memory through CUDA arrays, outside
+    cuMemAlloc: each is charged its elements (mipmap levels summed, layers
+    and cube faces not halved), refused over the limit, and given back when
+    destroyed."""
+    with Tracked.spawn(fakecuda, gname("limA")) as t:
+        wait_registered(daemon, [t])
+        ids = [t.alloc(line, 0)[1] for line in (
+            "array 1024 1024 0x20 4",           # 16 MiB of float4
+            "array3d 64 64 64 0x10 2 0",        # 1 MiB of half2
+            "mipmap 256 256 0 0x01 1 0 9",      # 9 levels of uchar
+            "mipmap 64 64 6 0x20 4 4 7",        # a cube map: 6 faces, 7 levels
+            "array 16 16 0xc2 4")]              # a normalized format: 16 B an element
+        assert sum(t.expected().values()) == (16 * MiB + MiB + 87381 + 6 * 5461 * 16
+                                              + 16 * 16 * 16)
+        converge(daemon, [t])
+
+        # over the limit, through each entry point: refused, process alive
+        for line in ("array 4096 4096 0x20 4", "array3d 256 256 256 0x20 4 0",
+                     "mipmap 4096 4096 0 0x20 4 0 13"):
+            rc, _ = t.alloc(line, 0, expect_rc=None)
+            assert rc == OOM, f"{line!r} over the limit returned rc={rc}"
+        assert int(t.cmd("pid")["pid"]) == t.pid
+        t.alloc(f"alloc {LIMIT - sum(t.expected().values())}", 0)    # exactly LIMIT now
+        assert t.alloc("array 1 1 0x01 1", 0, expect_rc=None)[0] == OOM
+        converge(daemon, [t])
+
+        for aid in ids:
+            t.free(aid)
+        t.alloc("array 1024 1024 0x20 4", 0)    # 16 MiB fits again
+        converge(daemon, [t])
+
+
 def test_meminfo_reports_the_limit(daemon, fakecuda):
     with Tracked.spawn(fakecuda, gname("limA")) as t:
         converge(daemon, [t])

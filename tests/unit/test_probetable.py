@@ -97,7 +97,7 @@ def test_alloc_symbols_are_exactly_the_admitting_entries_with_the_alloc_return()
     assert set(pt.ALLOC_SYMBOLS) == {
         "cuMemAlloc_v2", "cuMemAllocManaged", "cuMemAllocAsync", "cuMemAllocAsync_ptsz",
         "cuMemAllocFromPoolAsync", "cuMemAllocFromPoolAsync_ptsz", "cuMemAllocPitch_v2",
-        "cuMemCreate"}
+        "cuMemCreate", "cuArrayCreate_v2", "cuArray3DCreate_v2", "cuMipmappedArrayCreate"}
     for sym in pt.ALLOC_SYMBOLS:
         assert pt.CORE_PROBES[sym][1] == "uretprobe__alloc_return", sym
 
