@@ -163,6 +163,9 @@ class UnixGroupType(click.ParamType):
 @click.option("--sim-gpu", "sim_gpu", default=None, metavar="PATH", hidden=True,
               help="The stand-in libcuda's simulated GPU (its shared file), whose "
                    "utilization stands for NVML's.")
+@click.option("--sim-proc-mem", "sim_proc_mem", default=None, metavar="PATH", hidden=True,
+              help="The stand-in libcuda's per-process memory table (its shared file), "
+                   "which stands for NVML's per-process list.")
 @click.option("--lib-grace-s", "lib_grace_s", type=click.FloatRange(0.1, 3600),
               default=DEFAULT_LIB_GRACE_S, show_default=True, hidden=True,
               help="Seconds a discovered driver library nobody uses stays attached.")
@@ -170,7 +173,8 @@ class UnixGroupType(click.ParamType):
 def run(libcuda, group_by, socket_path, count_launches, policy, env_limits, oom_action,
         metrics_addr, socket_group, demo, state_dir, pin_dir, keep_state, fresh, context_bytes,
         sm_limits, sm_lend_idle, sm_turns, sm_turn_ms, sm_hold_ms, sm_host_run_ms, sm_giveback_pct, sm_sample_pct, sm_learn_alone, open_gate,
-        hami_regions, fallback_devices, fallback_total_mem, sim_gpu, lib_grace_s, verbose):
+        hami_regions, fallback_devices, fallback_total_mem, sim_gpu, sim_proc_mem, lib_grace_s,
+        verbose):
     """Start the daemon: attach probes, keep the slot table, serve the socket."""
     if os.geteuid() != 0:
         raise CliError("run needs root (CAP_BPF, CAP_PERFMON)")
@@ -187,6 +191,7 @@ def run(libcuda, group_by, socket_path, count_launches, policy, env_limits, oom_
                        hami_regions=hami_regions, pin_dir=pin_dir if keep_state else None,
                        fresh=fresh, fallback_devices=fallback_devices,
                        fallback_total_mem=fallback_total_mem, sim_gpu=sim_gpu,
+                       sim_proc_mem=sim_proc_mem,
                        lib_grace_s=lib_grace_s)
     # Imported here: the daemon pulls in bcc, which the other commands must not need.
     from hami_bpf import daemon

@@ -124,6 +124,7 @@ class DaemonConfig:
     fallback_devices: int = DEFAULT_FALLBACK_DEVICES    # devices assumed where NVML does not answer
     fallback_total_mem: int = DEFAULT_FALLBACK_TOTAL_MEM  # ... and each one's memory
     sim_gpu: str | None = None           # the simulated GPU's file (stand-in libcuda): its utilization
+    sim_proc_mem: str | None = None      # the stand-in libcuda's per-process memory table
     lib_grace_s: float = DEFAULT_LIB_GRACE_S  # an attached library nobody uses is detached after this
 
     def __post_init__(self) -> None:

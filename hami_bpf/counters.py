@@ -32,6 +32,7 @@ DAEMON_COUNTERS: tuple[str, ...] = (
     "lib_opens",              # processes the open gate stopped at a driver library
     "lib_opens_probed",       # ... whose library nobody probed yet
     "meminfo_rewrites",
+    "memory_unseen_changes",  # a process's memory no probe charged changed (hami_bpf.unseen)
     "policy_reloads",
     "reaped",
     "slot_write_after_exit",

@@ -38,8 +38,8 @@ POLL_MS = 100
 PERIODIC = (("reap", 1.0),         # lost exit events repaired from /proc
             ("reconcile", 1.0),    # the table's usage checked against the kernel's counters
             ("sweep", 10.0),       # allocation records of processes that are gone
-            ("refresh", 0.1))      # counters and SM state for the views (a rebuild
-                                   # reads maps and NVML: not at every pacing turn)
+            ("unseen", GroupLimits.UNSEEN_READ_S),   # memory the driver counts, no probe charged
+            ("refresh", 0.1))      # the views' counters and SM state (maps, NVML: not every turn)
 
 
 class Daemon:
@@ -72,10 +72,10 @@ class Daemon:
         self.limits = GroupLimits(table=lambda: self.registry.table,
                                   info=lambda pid: self.registry.info.get(pid),
                                   policy=self.policy, sm=self.sm, probes=probes, devices=devices,
-                                  env_limits=cfg.env_limits, record=self.record)
+                                  env_limits=cfg.env_limits, **common)
         self.memory = MemoryEnforcer(place=lambda pid, dev: self.registry.place(pid, dev),
                                      group_used=lambda gi, dev: self.probes.group_used(gi, dev),
-                                     context_reserve=self.limits.context_reserve,
+                                     context_reserve=self.limits.reserved,
                                      stopped=stopped, **common)
         self.regions = RegionPublisher(
             cfg.hami_regions, record=self.record,
@@ -134,7 +134,7 @@ class Daemon:
         self.policy.load()
         feats, self.oom_action, reg_write, pwu = s.features()
         self.devices = Devices.discover(self.simulated, Fallback(
-            cfg.fallback_devices, cfg.fallback_total_mem, cfg.sim_gpu))
+            cfg.fallback_devices, cfg.fallback_total_mem, cfg.sim_gpu, cfg.sim_proc_mem))
         self.limits.ctx_bytes = cfg.context_bytes if cfg.context_bytes is not None else (
             0 if self.simulated or not self.devices.nvml else DEFAULT_CONTEXT_BYTES)
         self.mechanisms["context_reserve"] = f"{self.limits.ctx_bytes} bytes per process per device"
@@ -180,7 +180,7 @@ class Daemon:
 
     def loop(self) -> None:
         r = self.registry
-        jobs = {"reap": r.reap, "reconcile": r.reconcile, "sweep": r.sweep,
+        jobs = {"reap": r.reap, "reconcile": r.reconcile, "sweep": r.sweep, "unseen": self.limits.check_unseen,
                 "refresh": lambda: (self.cfg.count_launches or self.sm.active) and self._rebuild_snapshot()}
         due = {name: time.monotonic() + every for name, every in PERIODIC}
         while not self._stopping:

@@ -20,6 +20,7 @@ class Fallback:
     devices: int = DEFAULT_FALLBACK_DEVICES
     total_mem: int = DEFAULT_FALLBACK_TOTAL_MEM
     sim_gpu: str | None = None    # the simulated GPU's shared file (fakecuda.sim)
+    proc_mem: str | None = None   # the stand-in driver's per-process memory table (fakecuda.sim)
 
 
 @dataclass
@@ -31,6 +32,8 @@ class Devices:
     sim: object | None = None     # fakecuda.sim.SimGpu: utilization of the simulated GPU
     total_mem: int = DEFAULT_FALLBACK_TOTAL_MEM   # without NVML: each device's memory
     _no_proc_util: bool = False   # NVML refused per-process utilization once: not asked again
+    proc_mem: object | None = None    # fakecuda.sim.ProcMem: the stand-in's per-process memory
+    _no_proc_mem: bool = False    # NVML refused per-process memory once: not asked again
 
     @classmethod
     def discover(cls, simulated: bool, fallback: Fallback = Fallback()) -> "Devices":
@@ -46,12 +49,15 @@ class Devices:
         except Exception as e:
             log.info("NVML unavailable (%s): %d devices of %d bytes assumed", e,
                      fallback.devices, fallback.total_mem)
-        sim = None
+        sim = proc_mem = None
         if fallback.sim_gpu:
             from .fakecuda.sim import SimGpu
             sim = SimGpu(fallback.sim_gpu)
+        if fallback.proc_mem:
+            from .fakecuda.sim import ProcMem
+            proc_mem = ProcMem(fallback.proc_mem)
         return cls(max(1, min(fallback.devices, abi.MAX_DEVS)), simulated, sim=sim,
-                   total_mem=fallback.total_mem)
+                   total_mem=fallback.total_mem, proc_mem=proc_mem)
 
     @property
     def has_utilization(self) -> bool:
@@ -92,6 +98,33 @@ class Devices:
         out: dict[int, float] = {}
         for smp in samples:
             out[int(smp.pid)] = max(out.get(int(smp.pid), 0.0), float(smp.smUtil))
+        return out
+
+    @property
+    def has_process_memory(self) -> bool:
+        return (self.nvml and not self._no_proc_mem) or self.proc_mem is not None
+
+    def process_memory(self, dev: int) -> dict[int, int] | None:
+        """Device memory per pid, everything each process holds there, where
+        the driver reports it (NVML's list of compute processes on bare-metal
+        hosts; in a virtual machine it lists none). None: not known."""
+        if self.proc_mem is not None:
+            return self.proc_mem.processes(dev)
+        if not self.nvml or self._no_proc_mem:
+            return None
+        import pynvml
+        try:
+            procs = pynvml.nvmlDeviceGetComputeRunningProcesses(
+                pynvml.nvmlDeviceGetHandleByIndex(dev))
+        except Exception as e:  # noqa: BLE001 - unsupported here: asked no more
+            self._no_proc_mem = True
+            log.info("NVML per-process memory unavailable (%s): only probed calls are charged", e)
+            return None
+        out: dict[int, int] = {}
+        for p in procs:
+            used = getattr(p, "usedGpuMemory", None)
+            if isinstance(used, int) and used >= 0:     # None where NVML cannot say (containers, MIG)
+                out[int(p.pid)] = out.get(int(p.pid), 0) + used
         return out
 
     def infos(self) -> tuple[DeviceInfo, ...]:

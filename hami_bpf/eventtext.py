@@ -151,6 +151,10 @@ TYPES: tuple[EventType, ...] = (
     EventType(K.LIMIT, "sched", ("group", "priority", "utilization_policy"),
               "group {group!r}: priority {priority}, utilization policy {utilization_policy}"),
     EventType(K.LIMIT, "memory", ("group", "device", "limit"), _memory_limit),
+    EventType(K.LIMIT, "unseen", ("pid", "group", "device", "held", "charged", "unseen"),
+              "pid {pid} (group {group!r}) holds {held} bytes on device {device} by the "
+              "driver's count, {charged} charged: {unseen} bytes no probed call sized count "
+              "against its group's limit"),
     EventType(K.LIMIT, "sm_cap", ("group", "device", "sm"), _sm_cap),
     EventType(K.CONFIG, "sm_unenforced", ("group", "sm"),
               "group {group!r} asks for an SM cap of {sm}%: not enforced (the daemon runs "

@@ -3,8 +3,9 @@
 
 A group's limit comes from the policy, lowered by what its members' own
 environments ask (never raised). Admission in BPF sees the limit less the
-context reserve of the members using the device; memory info reports the
-limit itself.
+context reserve of the members using the device and their unseen bytes
+(hami_bpf.unseen: memory the driver says they hold that no probed call
+charged); memory info reports the limit itself.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Callable
 
 from .events import GroupLimitSet
 from .limits import effective_limits, effective_sched, physical_to_visible
+from .unseen import READ_S, UnseenMemory
 
 # What a PyTorch process's CUDA context, modules and handles held on an H200
 # (driver 580) right after start-up: 554,500,096 bytes by NVML
@@ -21,8 +23,9 @@ DEFAULT_CONTEXT_BYTES = 528 << 20
 
 
 class GroupLimits:
+    UNSEEN_READ_S = READ_S       # how often check_unseen reads the driver's count
     def __init__(self, *, table: Callable, info: Callable, policy, sm, probes: Callable,
-                 devices: Callable, env_limits: bool, record):
+                 devices: Callable, env_limits: bool, record, counters=None):
         self._table = table          # the registry's slot table (it may be replaced at adoption)
         self._info = info            # pid -> registry.ProcInfo
         self.policy = policy         # policyfile.PolicyFile
@@ -32,6 +35,8 @@ class GroupLimits:
         self.env_limits = env_limits
         self._record = record
         self.ctx_bytes = 0           # context reserve per process per device (set at start)
+        self.unseen = UnseenMemory()
+        self._counters = counters
 
     def apply(self, group: str, gidx: int, pid: int, cvd: str | None) -> None:
         """A member can lower its group's limit, never raise it above the policy."""
@@ -85,6 +90,47 @@ class GroupLimits:
         for g in self._table().groups():
             self.recompute(g.name)
 
+    def check_unseen(self) -> None:
+        """What each member holds by the driver's count against what it was
+        charged (hami_bpf.unseen); a change moves its group's admission limit."""
+        devices = self._devices()
+        if devices is None or not devices.has_process_memory:
+            return
+        table = self._table()
+
+        def charged(pid: int, dev: int) -> int | None:
+            p = table.process(pid)
+            return None if p is None else p.used.get(dev, 0)
+
+        def reserve(pid: int, dev: int) -> int:
+            p = table.process(pid)
+            return self.ctx_bytes if p is not None and p.used.get(dev) else 0
+
+        readings = {dev: devices.process_memory(dev) for dev in range(devices.count)}
+        for ch in self.unseen.step(readings, charged, reserve):
+            p = table.process(ch.pid)
+            group = p.group if p is not None else None
+            if group is not None:
+                self.sync(group, ch.device)
+            if self._counters is not None:
+                self._counters["memory_unseen_changes"] += 1
+            self._record("limit", "unseen", pid=ch.pid, group=group, device=ch.device,
+                         held=ch.held, charged=ch.charged, unseen=ch.after)
+
+    def forget_process(self, pid: int) -> list[int]:
+        """A member left: the devices where its unseen bytes counted (to sync)."""
+        return self.unseen.forget(pid)
+
+    def unseen_bytes(self, group: str, dev: int) -> int:
+        """Bytes the group's members hold on the device that no probed call charged."""
+        g = self._table().group(group)
+        return 0 if g is None else sum(self.unseen.bytes(k.pid, dev) for k in g.slots)
+
+    def reserved(self, group: str, dev: int) -> int:
+        """Bytes of the group's limit on the device held outside its allocations:
+        its members' contexts and their unseen bytes."""
+        return self.context_reserve(group, dev) + self.unseen_bytes(group, dev)
+
     def context_reserve(self, group: str, dev: int) -> int:
         """Bytes the group's contexts hold on the device: one per member using it."""
         if not self.ctx_bytes:
@@ -102,7 +148,8 @@ class GroupLimits:
 
     def sync(self, group: str, dev: int) -> None:
         """grp_lim: admission in BPF sees the limit less the group's context
-        reserve; memory info keeps reporting the limit itself as total."""
+        reserve and unseen bytes; memory info keeps reporting the limit itself
+        as total."""
         g = self._table().group(group)
         if g is None:
             return
@@ -110,5 +157,5 @@ class GroupLimits:
         if limit is None:
             self._probes().set_group_limit(g.index, dev, None, None)
             return
-        self._probes().set_group_limit(g.index, dev,
-                                       max(0, limit - self.context_reserve(group, dev)), limit)
+        self._probes().set_group_limit(g.index, dev, max(0, limit - self.reserved(group, dev)),
+                                       limit)

@@ -43,7 +43,8 @@ class Place:
 class MemoryEnforcer:
     """`place(pid, device)`: the process's Place, None if it is not tracked.
     `group_used(group_index, device)`: bytes the kernel charged to the group.
-    `context_reserve(group, device)`: bytes reserved for contexts there.
+    `context_reserve(group, device)`: bytes of the group's limit held there
+    outside its allocations (contexts, memory no probed call charged).
     `stopped()`: the set of processes on record as stopped by us (enforce).
     `record(kind, what, **data)`: the event log. `counters`: the daemon's."""
 

@@ -49,6 +49,9 @@ _COUNTERS = (
     ("hami_bpf_sm_holds_cut_short_total", "holds_cut_short",
      "SM holds ended by their time bound with the group's debt or budget unpaid "
      "(the controller erred open).", 1),
+    ("hami_bpf_memory_unseen_changes_total", "memory_unseen_changes",
+     "Changes of the device memory a process holds by the driver's count that no probed "
+     "call charged, which counts against its group's limit (NVML's per-process list).", 1),
     ("hami_bpf_reaped_total", "reaped",
      "Exited processes found by the /proc reaper because their exit event was lost.", 1),
 )

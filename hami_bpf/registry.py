@@ -257,8 +257,10 @@ class ProcessRegistry:
             elif isinstance(a, ReleaseProcess):
                 self.info.pop(a.key.pid, None)
                 self.sm.release(a.group, a.key.pid)
-                if self.limits.ctx_bytes:
-                    after_release.append((a.group, tuple(a.released)))
+                devs = set(a.released) if self.limits.ctx_bytes else set()
+                devs.update(self.limits.forget_process(a.key.pid))
+                if devs:
+                    after_release.append((a.group, tuple(sorted(devs))))
                 self._memory().forget(a.key.pid)
                 if enforce.proc_start_time(a.key.pid) != a.key.start_time:
                     self._probes().delete_proc_cfg(a.key.pid)

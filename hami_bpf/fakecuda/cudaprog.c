@@ -13,6 +13,7 @@
  *   allocpool SIZE | create SIZE DEV | vmm SIZE DEV | free ID | meminfo
  *   array W H FORMAT CHANNELS | array3d W H D FORMAT CHANNELS FLAGS
  *   mipmap W H D FORMAT CHANNELS FLAGS LEVELS (CUDA arrays; freed by free ID)
+ *   module SIZE (a module whose globals take SIZE bytes; unloaded by free ID)
  *   totalmem N | launch N | launchex N | coop N | graph N
  *   getproc NAME [FLAGS] | procalloc SIZE | thread CMD... | sleep MS
  *   copyalloc PATH SIZE UNLINK (through a private copy of the driver at PATH)
@@ -108,6 +109,9 @@ CUresult cuArrayCreate_v2(CUarray *, const CUDA_ARRAY_DESCRIPTOR *);
 CUresult cuArray3DCreate_v2(CUarray *, const CUDA_ARRAY3D_DESCRIPTOR *);
 CUresult cuMipmappedArrayCreate(CUmipmappedArray *, const CUDA_ARRAY3D_DESCRIPTOR *, unsigned int);
 CUresult cuArrayDestroy(CUarray);
+typedef struct CUmod_st *CUmodule;
+CUresult cuModuleLoadData(CUmodule *, const void *);
+CUresult cuModuleUnload(CUmodule);
 CUresult cuMipmappedArrayDestroy(CUmipmappedArray);
 CUresult cuDeviceTotalMem_v2(size_t *, CUdevice);
 CUresult cuLaunchKernel(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
@@ -120,7 +124,7 @@ CUresult cuCtxSynchronize(void);
 CUresult cuCtxSynchronize_v2(CUcontext);
 CUresult cuGetProcAddress_v2(const char *, void **, int, unsigned long long, int *);
 
-enum { A_FREE = 0, A_PTR, A_ASYNC, A_HANDLE, A_VMM, A_ARRAY, A_MIPMAP };
+enum { A_FREE = 0, A_PTR, A_ASYNC, A_HANDLE, A_VMM, A_ARRAY, A_MIPMAP, A_MODULE };
 
 struct slot {
     int kind;
@@ -478,6 +482,17 @@ static void run_command(char *line)
         rc = cuMemAllocPitch_v2(&ptr, &pitch, w, h, (unsigned)n);
         int id = rc ? -1 : new_slot(A_PTR, ptr, 0, pitch * h);
         reply("ok rc=%d id=%d ptr=0x%llx pitch=%zu", rc, id, rc ? 0ULL : ptr, pitch);
+    } else if (!strcmp(c, "module")) {
+        /* module SIZE: a module whose static globals take SIZE bytes of device
+         * memory when it loads (the stand-in's image format) */
+        NEED(1, "module SIZE");
+        SIZE_ARG(1, "module SIZE");
+        char image[64];
+        snprintf(image, sizeof(image), "fakecuda-module globals=%llu", (unsigned long long)sz);
+        CUmodule m = NULL;
+        rc = cuModuleLoadData(&m, image);
+        int id = rc ? -1 : new_slot(A_MODULE, 0, (CUmemGenericAllocationHandle)(uintptr_t)m, sz);
+        reply("ok rc=%d id=%d handle=0x%llx", rc, id, rc ? 0ULL : (unsigned long long)(uintptr_t)m);
     } else if (!strcmp(c, "array") || !strcmp(c, "array3d") || !strcmp(c, "mipmap")) {
         /* array W H FORMAT CHANNELS | array3d W H D FORMAT CHANNELS FLAGS |
          * mipmap W H D FORMAT CHANNELS FLAGS LEVELS (dimensions in elements) */
@@ -548,6 +563,7 @@ static void run_command(char *line)
         case A_HANDLE: rc = cuMemRelease(s.handle); break;
         case A_ARRAY: rc = cuArrayDestroy((CUarray)(uintptr_t)s.handle); break;
         case A_MIPMAP: rc = cuMipmappedArrayDestroy((CUmipmappedArray)(uintptr_t)s.handle); break;
+        case A_MODULE: rc = cuModuleUnload((CUmodule)(uintptr_t)s.handle); break;
         case A_VMM:
             rc = cuMemUnmap(s.ptr, s.size);
             if (!rc)

@@ -25,6 +25,7 @@
 #include <fcntl.h>
 #include <pthread.h>
 #include <sched.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <unistd.h>
 #include <stdint.h>
@@ -134,7 +135,7 @@ struct CUctx_st {
     int alive;
 };
 
-enum { K_PTR = 1, K_HANDLE = 2, K_VA = 3, K_ARRAY = 4 };
+enum { K_PTR = 1, K_HANDLE = 2, K_VA = 3, K_ARRAY = 4, K_MODULE = 5 };
 
 struct alloc {
     struct alloc *next;
@@ -198,6 +199,67 @@ static unsigned long long g_ns_per_block, g_graph_ns, g_queue_ns, g_share_eff;
 static unsigned long long g_last_end[MAX_DEVICES]; /* this process's last launch done at */
 static struct CUctx_st g_primary[MAX_DEVICES];
 static struct alloc *g_table[NBUCKETS];
+
+/*
+ * Each process's device memory (FAKECUDA_PROC_MEM=/dev/shm/NAME), as NVML's
+ * per-process list reports it on a bare-metal host: everything the process
+ * holds, whichever call took it. The daemon reads it in place of NVML
+ * (hami_bpf/fakecuda/sim.py, ProcMem). One slot per process, taken at its
+ * first change (a free one, or one whose process is gone).
+ */
+#define PM_SLOTS 256
+#define PM_DEVS 8
+struct pm_slot {
+    unsigned int pid, pad;
+    unsigned long long used[PM_DEVS];
+};
+static struct pm_slot *g_pm;
+
+static void pm_map(void)
+{
+    const char *path = getenv("FAKECUDA_PROC_MEM");
+    if (!path || !*path || g_pm)
+        return;
+    size_t len = PM_SLOTS * sizeof(struct pm_slot);
+    int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+    if (fd < 0)
+        return;
+    if (ftruncate(fd, (off_t)len) == 0) {
+        void *m = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        if (m != MAP_FAILED)
+            g_pm = m;
+    }
+    close(fd);
+}
+
+/* This process's usage into its slot; under g_lock (or before any thread). */
+static void pm_publish(void)
+{
+    if (!g_pm)
+        return;
+    unsigned int me = (unsigned int)getpid();
+    struct pm_slot *slot = NULL;
+    for (int i = 0; i < PM_SLOTS && !slot; i++)
+        if (__atomic_load_n(&g_pm[i].pid, __ATOMIC_ACQUIRE) == me)
+            slot = &g_pm[i];
+    for (int i = 0; i < PM_SLOTS && !slot; i++) {
+        unsigned int p = __atomic_load_n(&g_pm[i].pid, __ATOMIC_ACQUIRE);
+        if ((p == 0 || (kill((pid_t)p, 0) != 0 && errno == ESRCH)) &&
+            __sync_bool_compare_and_swap(&g_pm[i].pid, p, me))
+            slot = &g_pm[i];
+    }
+    if (!slot)
+        return;
+    for (int d = 0; d < PM_DEVS; d++)
+        __atomic_store_n(&slot->used[d], g_used[d], __ATOMIC_RELEASE);
+}
+
+/* A new image holds nothing yet (after an exec the old one's slot said otherwise). */
+__attribute__((constructor)) static void pm_start(void)
+{
+    pm_map();
+    pm_publish();
+}
 
 static __thread struct CUctx_st *t_stack[CTX_STACK_MAX];
 static __thread int t_depth;
@@ -331,6 +393,7 @@ static CUresult do_alloc(CUdeviceptr *dptr, unsigned long long size)
     a->ctx = ctx;
     table_insert(a);
     g_used[dev] += size;
+    pm_publish();
     pthread_mutex_unlock(&g_lock);
     *dptr = ptr;
     return CUDA_SUCCESS;
@@ -345,12 +408,13 @@ static CUresult do_free(unsigned long long key, int kind)
     struct alloc *a = table_find(key, &pp);
     if (!a || a->kind != kind) {
         pthread_mutex_unlock(&g_lock);
-        return kind == K_HANDLE || kind == K_ARRAY ? CUDA_ERROR_INVALID_HANDLE
-                                                   : CUDA_ERROR_INVALID_VALUE;
+        return kind == K_PTR || kind == K_VA ? CUDA_ERROR_INVALID_VALUE
+                                             : CUDA_ERROR_INVALID_HANDLE;
     }
     *pp = a->next;
     if (a->dev >= 0)
         g_used[a->dev] -= a->size;
+    pm_publish();
     pthread_mutex_unlock(&g_lock);
     free(a);
     return CUDA_SUCCESS;
@@ -374,6 +438,7 @@ static void free_ctx_allocations(struct CUctx_st *ctx)
             }
         }
     }
+    pm_publish();
     pthread_mutex_unlock(&g_lock);
 }
 
@@ -988,6 +1053,7 @@ EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
     a->dev = dev;
     table_insert(a);
     g_used[dev] += size;
+    pm_publish();
     pthread_mutex_unlock(&g_lock);
     *handle = a->key;
     return CUDA_SUCCESS;
@@ -1037,12 +1103,13 @@ static unsigned long long array_size(size_t w, size_t h, size_t d, int format,
     return total;
 }
 
-/* Charge `size` bytes to the current context's device; a new array handle. */
-static CUresult do_array(void **handle, unsigned long long size)
+/* Charge `size` bytes to the current context's device; a new handle of `kind`
+ * (a module may hold no device memory). */
+static CUresult do_handle(void **handle, unsigned long long size, int kind)
 {
     if (!g_initialized)
         return CUDA_ERROR_NOT_INITIALIZED;
-    if (!handle || size == 0)
+    if (!handle || (size == 0 && kind != K_MODULE))
         return CUDA_ERROR_INVALID_VALUE;
     struct CUctx_st *ctx = current_ctx();
     if (!ctx_valid(ctx))
@@ -1058,11 +1125,12 @@ static CUresult do_array(void **handle, unsigned long long size)
     }
     a->key = g_space + g_next_handle++;
     a->size = size;
-    a->kind = K_ARRAY;
+    a->kind = kind;
     a->dev = ctx->dev;
     a->ctx = ctx;
     table_insert(a);
     g_used[ctx->dev] += size;
+    pm_publish();
     pthread_mutex_unlock(&g_lock);
     *handle = (void *)(uintptr_t)a->key;
     return CUDA_SUCCESS;
@@ -1073,8 +1141,8 @@ EXPORT CUresult cuArrayCreate_v2(CUarray *pHandle, const CUDA_ARRAY_DESCRIPTOR *
     ENTRY();
     if (!desc)
         return g_initialized ? CUDA_ERROR_INVALID_VALUE : CUDA_ERROR_NOT_INITIALIZED;
-    return do_array((void **)pHandle, array_size(desc->Width, desc->Height, 1, desc->Format,
-                                                 desc->NumChannels, 0, 1));
+    return do_handle((void **)pHandle, array_size(desc->Width, desc->Height, 1, desc->Format,
+                                                  desc->NumChannels, 0, 1), K_ARRAY);
 }
 
 EXPORT CUresult cuArray3DCreate_v2(CUarray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *desc)
@@ -1082,8 +1150,9 @@ EXPORT CUresult cuArray3DCreate_v2(CUarray *pHandle, const CUDA_ARRAY3D_DESCRIPT
     ENTRY();
     if (!desc)
         return g_initialized ? CUDA_ERROR_INVALID_VALUE : CUDA_ERROR_NOT_INITIALIZED;
-    return do_array((void **)pHandle, array_size(desc->Width, desc->Height, desc->Depth,
-                                                 desc->Format, desc->NumChannels, desc->Flags, 1));
+    return do_handle((void **)pHandle, array_size(desc->Width, desc->Height, desc->Depth,
+                                                  desc->Format, desc->NumChannels, desc->Flags, 1),
+                     K_ARRAY);
 }
 
 EXPORT CUresult cuMipmappedArrayCreate(CUmipmappedArray *pHandle,
@@ -1093,9 +1162,9 @@ EXPORT CUresult cuMipmappedArrayCreate(CUmipmappedArray *pHandle,
     ENTRY();
     if (!desc)
         return g_initialized ? CUDA_ERROR_INVALID_VALUE : CUDA_ERROR_NOT_INITIALIZED;
-    return do_array((void **)pHandle, array_size(desc->Width, desc->Height, desc->Depth,
-                                                 desc->Format, desc->NumChannels, desc->Flags,
-                                                 numMipmapLevels));
+    return do_handle((void **)pHandle, array_size(desc->Width, desc->Height, desc->Depth,
+                                                  desc->Format, desc->NumChannels, desc->Flags,
+                                                  numMipmapLevels), K_ARRAY);
 }
 
 EXPORT CUresult cuArrayDestroy(CUarray hArray)
@@ -1108,6 +1177,30 @@ EXPORT CUresult cuMipmappedArrayDestroy(CUmipmappedArray hMipmappedArray)
 {
     ENTRY();
     return do_free((unsigned long long)(uintptr_t)hMipmappedArray, K_ARRAY);
+}
+
+/* ---- modules ------------------------------------------------------------------ */
+/* A module's static __device__ variables take device memory when it loads,
+ * through no allocation call. The stand-in's image is text: an image that
+ * begins with FAKE_MODULE_TAG and a size holds that many bytes of globals. */
+#define FAKE_MODULE_TAG "fakecuda-module globals="
+typedef struct CUmod_st *CUmodule;
+
+EXPORT CUresult cuModuleLoadData(CUmodule *module, const void *image)
+{
+    ENTRY();
+    if (!module || !image)
+        return g_initialized ? CUDA_ERROR_INVALID_VALUE : CUDA_ERROR_NOT_INITIALIZED;
+    unsigned long long globals = 0;
+    if (!strncmp(image, FAKE_MODULE_TAG, strlen(FAKE_MODULE_TAG)))
+        globals = strtoull((const char *)image + strlen(FAKE_MODULE_TAG), NULL, 0);
+    return do_handle((void **)module, globals, K_MODULE);
+}
+
+EXPORT CUresult cuModuleUnload(CUmodule hmod)
+{
+    ENTRY();
+    return do_free((unsigned long long)(uintptr_t)hmod, K_MODULE);
 }
 
 EXPORT CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment,

@@ -12,6 +12,8 @@ import os
 import struct
 import time
 
+from .. import procfs
+
 MAX_DEVICES = 64
 _HEAD = struct.Struct(f"<{MAX_DEVICES}Q{MAX_DEVICES}Q")
 
@@ -44,4 +46,36 @@ class SimGpu:
             self._last[d] = (now, b)
             out[d] = (None if prev is None or now <= prev[0]
                       else max(0.0, min(100.0, 100.0 * (b - prev[1]) / (now - prev[0]))))
+        return out
+
+
+# The stand-in's per-process memory table (FAKECUDA_PROC_MEM): struct pm_slot
+# {u32 pid, pad; u64 used[PM_DEVS]} x PM_SLOTS, in libcuda.c.
+PM_SLOTS, PM_DEVS = 256, 8
+_PM_SLOT = struct.Struct(f"<II{PM_DEVS}Q")
+
+
+class ProcMem:
+    """Each process's device memory as the stand-in driver publishes it: what
+    NVML's per-process list reports on a bare-metal host."""
+
+    def __init__(self, path: str):
+        size = PM_SLOTS * _PM_SLOT.size
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            if os.fstat(fd).st_size < size:
+                os.ftruncate(fd, size)
+            self._m = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+        finally:
+            os.close(fd)
+
+    def processes(self, dev: int) -> dict[int, int]:
+        """pid -> bytes it holds on `dev`, for live processes holding any."""
+        out: dict[int, int] = {}
+        if not 0 <= dev < PM_DEVS:
+            return out
+        for i in range(PM_SLOTS):
+            pid, _, *used = _PM_SLOT.unpack_from(self._m, i * _PM_SLOT.size)
+            if pid and used[dev] and procfs.start_time(pid) is not None:
+                out[pid] = used[dev]
         return out

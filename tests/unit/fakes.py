@@ -212,7 +212,11 @@ class FakeLimits:
         self.ctx_bytes = ctx_bytes
         self.applied: list[tuple[str, int, int, str | None]] = []
         self.synced: list[tuple[str, int]] = []
+        self.unseen_devices: dict[int, list[int]] = {}   # pid -> devices with unseen bytes
         self.fail: Exception | None = None
+
+    def forget_process(self, pid):
+        return self.unseen_devices.pop(pid, [])
 
     def apply(self, group, index, pid, cvd):
         self.applied.append((group, index, pid, cvd))

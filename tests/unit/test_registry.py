@@ -165,6 +165,19 @@ def test_released_memory_resyncs_the_groups_limits_where_contexts_are_charged(tm
     assert w.limits.synced == [("g", 1)]
 
 
+def test_a_member_with_unseen_bytes_that_leaves_resyncs_those_devices(tmp_path, proc):
+    w = World(tmp_path)                 # no context reserve: only the unseen bytes move
+    a = proc.spawn(83, {"G": "g"})
+    w.reg.register(a, 0)
+    w.reg.allocated(event(abi.EV_ALLOC, a, device=0, size=4096, ptr=0x1000))
+    w.limits.unseen_devices[a] = [1]
+    w.limits.synced.clear()
+    proc.exit(a)
+    w.reg.exit(a, 0)
+    assert w.limits.synced == [("g", 1)]
+    assert a not in w.limits.unseen_devices
+
+
 def test_a_failure_applying_a_members_limits_falls_back_to_the_policy(w, proc):
     p = proc.spawn(91, {"G": "g", "CUDA_VISIBLE_DEVICES": "0"})
     w.limits.fail = ValueError("bad limit")
