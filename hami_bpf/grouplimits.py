@@ -24,6 +24,7 @@ DEFAULT_CONTEXT_BYTES = 528 << 20
 
 class GroupLimits:
     UNSEEN_READ_S = READ_S       # how often check_unseen reads the driver's count
+
     def __init__(self, *, table: Callable, info: Callable, policy, sm, probes: Callable,
                  devices: Callable, env_limits: bool, record, counters=None):
         self._table = table          # the registry's slot table (it may be replaced at adoption)
