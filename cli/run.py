@@ -98,6 +98,11 @@ class UnixGroupType(click.ParamType):
               help="Device memory each process's CUDA context holds, charged against its "
                    "group's limit per device it uses [default: 528Mi on a GPU (measured on "
                    "an H200), 0 in the demo].")
+@click.option("--unseen-memory/--no-unseen-memory", "unseen_memory", default=True,
+              show_default=True,
+              help="Count against a group's limit the device memory the driver reports for "
+                   "a member beyond what its allocations were charged (NVML's per-process "
+                   "list, bare-metal hosts).")
 @click.option("--sm-limits/--no-sm-limits", default=True, show_default=True,
               help="Enforce SM caps (CUDA_DEVICE_SM_LIMIT, policy `sm`) by throttling launches. "
                    "With --no-sm-limits caps are shown but not enforced and no launch probe "
@@ -172,6 +177,7 @@ class UnixGroupType(click.ParamType):
 @click.option("-v", "--verbose", is_flag=True, help="Log debug details.")
 def run(libcuda, group_by, socket_path, count_launches, policy, env_limits, oom_action,
         metrics_addr, socket_group, demo, state_dir, pin_dir, keep_state, fresh, context_bytes,
+        unseen_memory,
         sm_limits, sm_lend_idle, sm_turns, sm_turn_ms, sm_hold_ms, sm_host_run_ms, sm_giveback_pct, sm_sample_pct, sm_learn_alone, open_gate,
         hami_regions, fallback_devices, fallback_total_mem, sim_gpu, sim_proc_mem, lib_grace_s,
         verbose):
@@ -183,6 +189,7 @@ def run(libcuda, group_by, socket_path, count_launches, policy, env_limits, oom_
                        oom_action=oom_action, metrics_addr=metrics_addr,
                        socket_group=socket_group, demo=demo, state_dir=state_dir,
                        verbose=verbose, context_bytes=context_bytes, sm_limits=sm_limits,
+                       unseen_memory=unseen_memory,
                        sm_lend_idle=sm_lend_idle, sm_turns=sm_turns,
                        sm_turn_ms=sm_turn_ms, sm_hold_ms=sm_hold_ms,
                        sm_host_run_ms=sm_host_run_ms, sm_giveback_pct=sm_giveback_pct,

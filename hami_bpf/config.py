@@ -108,6 +108,7 @@ class DaemonConfig:
     state_dir: str = DEFAULT_STATE_DIR
     verbose: bool = False
     context_bytes: int | None = None     # device memory a process's context holds; None = auto
+    unseen_memory: bool = True           # count memory the driver reports and no probe charged
     sm_limits: bool = True               # enforce SM caps (throttle launches); off: caps are shown only
     hami_regions: str | None = None      # publish HAMi shared-region files under this dir; None = off
     sm_lend_idle: bool = False           # a capped group may use what higher/equal priority leave idle

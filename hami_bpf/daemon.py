@@ -134,7 +134,7 @@ class Daemon:
         self.policy.load()
         feats, self.oom_action, reg_write, pwu = s.features()
         self.devices = Devices.discover(self.simulated, Fallback(
-            cfg.fallback_devices, cfg.fallback_total_mem, cfg.sim_gpu, cfg.sim_proc_mem))
+            cfg.fallback_devices, cfg.fallback_total_mem, cfg.sim_gpu, cfg.sim_proc_mem, cfg.unseen_memory))
         self.limits.ctx_bytes = cfg.context_bytes if cfg.context_bytes is not None else (
             0 if self.simulated or not self.devices.nvml else DEFAULT_CONTEXT_BYTES)
         self.mechanisms["context_reserve"] = f"{self.limits.ctx_bytes} bytes per process per device"
