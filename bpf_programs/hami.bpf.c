@@ -746,19 +746,24 @@ static __always_inline __u64 array_bytes(__u64 w, __u64 h, __u64 d, __u64 elem, 
 	return total;
 }
 
-/* A CUDA_ARRAY3D_DESCRIPTOR's size over `levels` levels (0 when unreadable). */
-static __always_inline __u64 array3d_bytes(__u64 desc, __u32 levels)
+/* A CUDA array descriptor's size over `levels` levels (0 when unreadable):
+ * a CUDA_ARRAY3D_DESCRIPTOR where is3d, else a CUDA_ARRAY_DESCRIPTOR (no
+ * depth, no flags). */
+static __always_inline __u64 array_desc_bytes(__u64 desc, int is3d, __u32 levels)
 {
 	__u64 w = 0, h = 0, d = 0;
 	__u32 fmt = 0, ch = 0, flags = 0;
 	if (!desc)
 		return 0;
 	if (bpf_probe_read_user(&w, sizeof(w), (void *)(desc + HAMI_ARRAY_WIDTH)) ||
-	    bpf_probe_read_user(&h, sizeof(h), (void *)(desc + HAMI_ARRAY_HEIGHT)) ||
-	    bpf_probe_read_user(&d, sizeof(d), (void *)(desc + HAMI_ARRAY3D_DEPTH)) ||
-	    bpf_probe_read_user(&fmt, sizeof(fmt), (void *)(desc + HAMI_ARRAY3D_FORMAT)) ||
-	    bpf_probe_read_user(&ch, sizeof(ch), (void *)(desc + HAMI_ARRAY3D_CHANNELS)) ||
-	    bpf_probe_read_user(&flags, sizeof(flags), (void *)(desc + HAMI_ARRAY3D_FLAGS)))
+	    bpf_probe_read_user(&h, sizeof(h), (void *)(desc + HAMI_ARRAY_HEIGHT)))
+		return 0;
+	if (is3d ? (bpf_probe_read_user(&d, sizeof(d), (void *)(desc + HAMI_ARRAY3D_DEPTH)) ||
+		    bpf_probe_read_user(&fmt, sizeof(fmt), (void *)(desc + HAMI_ARRAY3D_FORMAT)) ||
+		    bpf_probe_read_user(&ch, sizeof(ch), (void *)(desc + HAMI_ARRAY3D_CHANNELS)) ||
+		    bpf_probe_read_user(&flags, sizeof(flags), (void *)(desc + HAMI_ARRAY3D_FLAGS)))
+		 : (bpf_probe_read_user(&fmt, sizeof(fmt), (void *)(desc + HAMI_ARRAY_FORMAT)) ||
+		    bpf_probe_read_user(&ch, sizeof(ch), (void *)(desc + HAMI_ARRAY_CHANNELS))))
 		return 0;
 	return array_bytes(w, h, d, array_elem_bytes(fmt, ch), flags, levels);
 }
@@ -767,15 +772,8 @@ static __always_inline __u64 array3d_bytes(__u64 desc, __u32 levels)
 int uprobe__cuArrayCreate_v2(struct pt_regs *ctx)
 {
 	keep_off_private_stack(ctx);
-	__u64 desc = PT_REGS_PARM2(ctx), w = 0, h = 0, size = 0;
-	__u32 fmt = 0, ch = 0;
-	if (desc &&
-	    !bpf_probe_read_user(&w, sizeof(w), (void *)(desc + HAMI_ARRAY_WIDTH)) &&
-	    !bpf_probe_read_user(&h, sizeof(h), (void *)(desc + HAMI_ARRAY_HEIGHT)) &&
-	    !bpf_probe_read_user(&fmt, sizeof(fmt), (void *)(desc + HAMI_ARRAY_FORMAT)) &&
-	    !bpf_probe_read_user(&ch, sizeof(ch), (void *)(desc + HAMI_ARRAY_CHANNELS)))
-		size = array_bytes(w, h, 1, array_elem_bytes(fmt, ch), 0, 1);
-	alloc_enter(ctx, HAMI_FN_ARRAY, PT_REGS_PARM1(ctx), size, -1, 0, 0);
+	alloc_enter(ctx, HAMI_FN_ARRAY, PT_REGS_PARM1(ctx), array_desc_bytes(PT_REGS_PARM2(ctx), 0, 1),
+		    -1, 0, 0);
 	return 0;
 }
 
@@ -783,7 +781,7 @@ int uprobe__cuArrayCreate_v2(struct pt_regs *ctx)
 int uprobe__cuArray3DCreate_v2(struct pt_regs *ctx)
 {
 	keep_off_private_stack(ctx);
-	alloc_enter(ctx, HAMI_FN_ARRAY, PT_REGS_PARM1(ctx), array3d_bytes(PT_REGS_PARM2(ctx), 1),
+	alloc_enter(ctx, HAMI_FN_ARRAY, PT_REGS_PARM1(ctx), array_desc_bytes(PT_REGS_PARM2(ctx), 1, 1),
 		    -1, 0, 0);
 	return 0;
 }
@@ -795,7 +793,7 @@ int uprobe__cuMipmappedArrayCreate(struct pt_regs *ctx)
 	keep_off_private_stack(ctx);
 	__u32 levels = (__u32)PT_REGS_PARM3(ctx);
 	alloc_enter(ctx, HAMI_FN_ARRAY, PT_REGS_PARM1(ctx),
-		    array3d_bytes(PT_REGS_PARM2(ctx), levels), -1, 0, 0);
+		    array_desc_bytes(PT_REGS_PARM2(ctx), 1, levels), -1, 0, 0);
 	return 0;
 }
 
