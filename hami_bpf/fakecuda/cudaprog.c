@@ -109,10 +109,10 @@ CUresult cuArrayCreate_v2(CUarray *, const CUDA_ARRAY_DESCRIPTOR *);
 CUresult cuArray3DCreate_v2(CUarray *, const CUDA_ARRAY3D_DESCRIPTOR *);
 CUresult cuMipmappedArrayCreate(CUmipmappedArray *, const CUDA_ARRAY3D_DESCRIPTOR *, unsigned int);
 CUresult cuArrayDestroy(CUarray);
+CUresult cuMipmappedArrayDestroy(CUmipmappedArray);
 typedef struct CUmod_st *CUmodule;
 CUresult cuModuleLoadData(CUmodule *, const void *);
 CUresult cuModuleUnload(CUmodule);
-CUresult cuMipmappedArrayDestroy(CUmipmappedArray);
 CUresult cuDeviceTotalMem_v2(size_t *, CUdevice);
 CUresult cuLaunchKernel(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                         unsigned, CUstream, void **, void **);

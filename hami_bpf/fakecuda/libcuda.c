@@ -1025,6 +1025,33 @@ EXPORT CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytesize,
     return do_alloc(dptr, bytesize);
 }
 
+/* Charge `size` bytes to `dev`; a new handle of `kind` in *key (a handle
+ * made in a context, `ctx`, goes when that context does). */
+static CUresult new_handle(unsigned long long *key, unsigned long long size, int kind, int dev,
+                           struct CUctx_st *ctx)
+{
+    struct alloc *a = calloc(1, sizeof(*a));
+    if (!a)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    pthread_mutex_lock(&g_lock);
+    if (size > g_total || g_used[dev] + size > g_total) {
+        pthread_mutex_unlock(&g_lock);
+        free(a);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    a->key = g_space + g_next_handle++;
+    a->size = size;
+    a->kind = kind;
+    a->dev = dev;
+    a->ctx = ctx;
+    table_insert(a);
+    g_used[dev] += size;
+    pm_publish();
+    pthread_mutex_unlock(&g_lock);
+    *key = a->key;
+    return CUDA_SUCCESS;
+}
+
 EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
                             const CUmemAllocationProp *prop, unsigned long long flags)
 {
@@ -1038,25 +1065,7 @@ EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
     int dev = prop->location.id;
     if (dev < 0 || dev >= g_ndev)
         return CUDA_ERROR_INVALID_DEVICE;
-    struct alloc *a = calloc(1, sizeof(*a));
-    if (!a)
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    pthread_mutex_lock(&g_lock);
-    if (size > g_total || g_used[dev] + size > g_total) {
-        pthread_mutex_unlock(&g_lock);
-        free(a);
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    }
-    a->key = g_space + g_next_handle++;
-    a->size = size;
-    a->kind = K_HANDLE;
-    a->dev = dev;
-    table_insert(a);
-    g_used[dev] += size;
-    pm_publish();
-    pthread_mutex_unlock(&g_lock);
-    *handle = a->key;
-    return CUDA_SUCCESS;
+    return new_handle(handle, size, K_HANDLE, dev, NULL);
 }
 
 EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
@@ -1114,26 +1123,11 @@ static CUresult do_handle(void **handle, unsigned long long size, int kind)
     struct CUctx_st *ctx = current_ctx();
     if (!ctx_valid(ctx))
         return CUDA_ERROR_INVALID_CONTEXT;
-    struct alloc *a = calloc(1, sizeof(*a));
-    if (!a)
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    pthread_mutex_lock(&g_lock);
-    if (size > g_total || g_used[ctx->dev] + size > g_total) {
-        pthread_mutex_unlock(&g_lock);
-        free(a);
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    }
-    a->key = g_space + g_next_handle++;
-    a->size = size;
-    a->kind = kind;
-    a->dev = ctx->dev;
-    a->ctx = ctx;
-    table_insert(a);
-    g_used[ctx->dev] += size;
-    pm_publish();
-    pthread_mutex_unlock(&g_lock);
-    *handle = (void *)(uintptr_t)a->key;
-    return CUDA_SUCCESS;
+    unsigned long long key;
+    CUresult rc = new_handle(&key, size, kind, ctx->dev, ctx);
+    if (rc == CUDA_SUCCESS)
+        *handle = (void *)(uintptr_t)key;
+    return rc;
 }
 
 EXPORT CUresult cuArrayCreate_v2(CUarray *pHandle, const CUDA_ARRAY_DESCRIPTOR *desc)

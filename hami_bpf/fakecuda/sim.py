@@ -18,15 +18,21 @@ MAX_DEVICES = 64
 _HEAD = struct.Struct(f"<{MAX_DEVICES}Q{MAX_DEVICES}Q")
 
 
+def _map_shared(path: str, size: int) -> mmap.mmap:
+    """A file the stand-in driver shares, mapped for reading: created (0600,
+    no symlink followed) and grown to `size` where the workloads have not yet."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        if os.fstat(fd).st_size < size:
+            os.ftruncate(fd, size)
+        return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+    finally:
+        os.close(fd)
+
+
 class SimGpu:
     def __init__(self, path: str):
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-        try:
-            if os.fstat(fd).st_size < _HEAD.size:
-                os.ftruncate(fd, _HEAD.size)
-            self._m = mmap.mmap(fd, _HEAD.size, mmap.MAP_SHARED, mmap.PROT_READ)
-        finally:
-            os.close(fd)
+        self._m = _map_shared(path, _HEAD.size)
         self._last: dict[int, tuple[float, float]] = {}
 
     def busy_s(self, dev: int, now_ns: int) -> float:
@@ -60,14 +66,7 @@ class ProcMem:
     NVML's per-process list reports on a bare-metal host."""
 
     def __init__(self, path: str):
-        size = PM_SLOTS * _PM_SLOT.size
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-        try:
-            if os.fstat(fd).st_size < size:
-                os.ftruncate(fd, size)
-            self._m = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
-        finally:
-            os.close(fd)
+        self._m = _map_shared(path, PM_SLOTS * _PM_SLOT.size)
 
     def processes(self, dev: int) -> dict[int, int]:
         """pid -> bytes it holds on `dev`, for live processes holding any."""
