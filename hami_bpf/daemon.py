@@ -72,7 +72,7 @@ class Daemon:
         self.limits = GroupLimits(table=lambda: self.registry.table,
                                   info=lambda pid: self.registry.info.get(pid),
                                   policy=self.policy, sm=self.sm, probes=probes, devices=devices,
-                                  env_limits=cfg.env_limits, **common)
+                                  env_limits=cfg.env_limits, count_unseen=cfg.unseen_memory, **common)
         self.memory = MemoryEnforcer(place=lambda pid, dev: self.registry.place(pid, dev),
                                      group_used=lambda gi, dev: self.probes.group_used(gi, dev),
                                      context_reserve=self.limits.reserved,
@@ -134,7 +134,7 @@ class Daemon:
         self.policy.load()
         feats, self.oom_action, reg_write, pwu = s.features()
         self.devices = Devices.discover(self.simulated, Fallback(
-            cfg.fallback_devices, cfg.fallback_total_mem, cfg.sim_gpu, cfg.sim_proc_mem, cfg.unseen_memory))
+            cfg.fallback_devices, cfg.fallback_total_mem, cfg.sim_gpu, cfg.sim_proc_mem))
         self.limits.ctx_bytes = cfg.context_bytes if cfg.context_bytes is not None else (
             0 if self.simulated or not self.devices.nvml else DEFAULT_CONTEXT_BYTES)
         self.mechanisms["context_reserve"] = f"{self.limits.ctx_bytes} bytes per process per device"

@@ -21,7 +21,6 @@ class Fallback:
     total_mem: int = DEFAULT_FALLBACK_TOTAL_MEM
     sim_gpu: str | None = None    # the simulated GPU's shared file (fakecuda.sim)
     proc_mem: str | None = None   # the stand-in driver's per-process memory table (fakecuda.sim)
-    process_memory: bool = True   # read each process's device memory (off: never asked)
 
 
 @dataclass
@@ -46,7 +45,7 @@ class Devices:
             for i in range(n):
                 u = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(i))
                 uuids[u.decode() if isinstance(u, bytes) else u] = i
-            return cls(n, False, uuids, True, _no_proc_mem=not fallback.process_memory)
+            return cls(n, False, uuids, True)
         except Exception as e:
             log.info("NVML unavailable (%s): %d devices of %d bytes assumed", e,
                      fallback.devices, fallback.total_mem)
@@ -54,7 +53,7 @@ class Devices:
         if fallback.sim_gpu:
             from .fakecuda.sim import SimGpu
             sim = SimGpu(fallback.sim_gpu)
-        if fallback.proc_mem and fallback.process_memory:
+        if fallback.proc_mem:
             from .fakecuda.sim import ProcMem
             proc_mem = ProcMem(fallback.proc_mem)
         return cls(max(1, min(fallback.devices, abi.MAX_DEVS)), simulated, sim=sim,

@@ -26,7 +26,8 @@ class GroupLimits:
     UNSEEN_READ_S = READ_S       # how often check_unseen reads the driver's count
 
     def __init__(self, *, table: Callable, info: Callable, policy, sm, probes: Callable,
-                 devices: Callable, env_limits: bool, record, counters=None):
+                 devices: Callable, env_limits: bool, record, counters=None,
+                 count_unseen: bool = True):
         self._table = table          # the registry's slot table (it may be replaced at adoption)
         self._info = info            # pid -> registry.ProcInfo
         self.policy = policy         # policyfile.PolicyFile
@@ -37,6 +38,7 @@ class GroupLimits:
         self._record = record
         self.ctx_bytes = 0           # context reserve per process per device (set at start)
         self.unseen = UnseenMemory()
+        self.count_unseen = count_unseen     # off (--no-unseen-memory): the driver's count is not read
         self._counters = counters
 
     def apply(self, group: str, gidx: int, pid: int, cvd: str | None) -> None:
@@ -95,7 +97,7 @@ class GroupLimits:
         """What each member holds by the driver's count against what it was
         charged (hami_bpf.unseen); a change moves its group's admission limit."""
         devices = self._devices()
-        if devices is None or not devices.has_process_memory:
+        if not self.count_unseen or devices is None or not devices.has_process_memory:
             return
         table = self._table()
 

@@ -29,11 +29,3 @@ def test_the_stand_in_table_gives_each_live_process_its_memory(tmp_path):
     assert d.process_memory(0) == {os.getpid(): 5 << 20}
     assert d.process_memory(1) == {}          # nothing held there
     assert d.process_memory(2) == {os.getpid(): 7}
-
-
-def test_no_unseen_memory_reads_nothing(tmp_path):
-    path = table(tmp_path, [(os.getpid(), [5 << 20])])
-    d = Devices.discover(True, Fallback(proc_mem=path, process_memory=False))
-    if d.nvml:
-        pytest.skip("NVML answers here: the stand-in's table is not read")
-    assert not d.has_process_memory and d.process_memory(0) is None

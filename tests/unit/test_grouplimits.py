@@ -13,12 +13,14 @@ class Devices:
 
     def __init__(self):
         self.held = {}
+        self.reads = 0
 
     def process_memory(self, dev):
+        self.reads += 1
         return dict(self.held)
 
 
-def world(limit=64 * MiB):
+def world(limit=64 * MiB, count_unseen=True):
     members = {7: NS(pid=7, used={0: 8 * MiB}, group="g"), 8: NS(pid=8, used={0: 1 * MiB}, group="g")}
     group = NS(name="g", index=3, limits={0: limit}, slots=[NS(pid=p) for p in members])
     table = NS(group=lambda name: group if name == "g" else None, process=members.get)
@@ -28,7 +30,8 @@ def world(limit=64 * MiB):
     counters = collections.Counter()
     gl = GroupLimits(table=lambda: table, info=lambda pid: None, policy=None, sm=None,
                      probes=lambda: probes, devices=lambda: devices, env_limits=False,
-                     record=lambda kind, what, **d: events.append((kind, what, d)), counters=counters)
+                     record=lambda kind, what, **d: events.append((kind, what, d)), counters=counters,
+                     count_unseen=count_unseen)
     return gl, devices, set_limits, events, counters
 
 
@@ -67,3 +70,11 @@ def test_without_a_per_process_count_nothing_is_read():
     for _ in range(3):
         gl.check_unseen()
     assert set_limits == [] and events == []
+
+
+def test_no_unseen_memory_reads_nothing():
+    gl, dev, set_limits, events, _ = world(count_unseen=False)
+    dev.held = {7: 48 * MiB}
+    for _ in range(3):
+        gl.check_unseen()
+    assert dev.reads == 0 and set_limits == [] and events == []
