@@ -36,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hami_bpf.sm import duty, replay, workload  # noqa: E402
+from hami_bpf.sm import duty, progress, replay, workload  # noqa: E402
 
 TRACES = ROOT / "tests" / "data" / "traces"
 # loops whose launching thread sets their pace: the ones the pacer samples
@@ -77,8 +77,12 @@ def one(job: tuple) -> dict:
     path, repeat, model, cap, offset, stretch = job
     rec, wl, base = _fitted(path, repeat)
     start = rec.loop_start + offset
+    # the pacer's arguments read now, so that --set reaches them too
+    pacer = duty.DutyPacer(quantum_s=duty.QUANTUM_S, max_hold_s=duty.MAX_HOLD_S,
+                           host_run_s=duty.HOST_RUN_S, host_stop_share=duty.HOST_STOP_SHARE,
+                           sample_share=progress.SAMPLE_SHARE)
     run = replay.replay_capped(wl, cap, horizon=start + stretch, cold=MODELS[model],
-                               start=start, pacer=duty.DutyPacer())
+                               start=start, pacer=pacer)
     r = replay.compare(run, base, (start, start + stretch))
     return {"workload": wl.name, "model": model, "cap": cap, "offset": offset,
             "stretch": stretch, "share": None if r.loop_mean is None else 100 * r.loop_mean,
