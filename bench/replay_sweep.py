@@ -66,11 +66,12 @@ _loaded: dict = {}
 
 
 def _fitted(path: str, repeat: int):
-    if path not in _loaded:
+    key = (path, repeat)
+    if key not in _loaded:
         rec = workload.repeat_loop(workload.load(path), repeat)
         wl = workload.fit(rec)
-        _loaded[path] = (rec, wl, replay.replay(wl))
-    return _loaded[path]
+        _loaded[key] = (rec, wl, replay.replay(wl))
+    return _loaded[key]
 
 
 def one(job: tuple) -> dict:
