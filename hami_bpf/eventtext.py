@@ -210,6 +210,11 @@ TYPES: tuple[EventType, ...] = (
                         f"{d['paced_hz']:.0f}/s of running against {d['free_hz']:.0f}/s free "
                         f"({d['ratio']:.0%}); at a speed of {d['speed']:.0%} it runs "
                         f"{d['run_pct']:.1f}% of the time"),
+    EventType(K.THROTTLE, "speed_forgotten", ("group", "device", "paced_hz", "was_hz"),
+              lambda d: f"group {d['group']!r} device {d['device']}: paced, it launches "
+                        f"{d['paced_hz']:.0f}/s of running, {d['was_hz']:.0f}/s when its speed "
+                        "was measured: another phase, whose speed is not known yet (the first "
+                        "guess until its next sample)"),
     EventType(K.THROTTLE, "alone_done",
               ("group", "group_index", "device", "alone", "outcome", "learn_s", "released"),
               _alone_done),

@@ -73,7 +73,8 @@ _SM_LABELLED = (
      "they are launch-bound and being held slows them (on), or stopped (off).", "state"),
     ("hami_bpf_sm_speed_samples", "sm_samples_",
      "Free samples of groups paced by time, run to measure their work per second of running "
-     "against free (measured), or interrupted before they measured anything (dropped).",
+     "against free (measured), or interrupted before they measured anything (dropped); "
+     "and groups' readings forgotten because their loop changed phase (forgotten).",
      "outcome"),
 )
 

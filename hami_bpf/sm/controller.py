@@ -516,6 +516,10 @@ class SmController:
                          run_pct=round(d.keys[key].run_pct, 1))
         for key in d.dropped:
             self._counts["sm_samples_dropped"] += 1
+        for key, now_hz, was_hz in d.forgotten:
+            self._counts["sm_samples_forgotten"] += 1
+            self._record("throttle", "speed_forgotten", group=names.get(key[0], str(key[0])),
+                         device=key[1], paced_hz=round(now_hz, 1), was_hz=round(was_hz, 1))
         for key, kd in d.keys.items():
             if kd.mode is not duty.Mode.DUTY:
                 continue

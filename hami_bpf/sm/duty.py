@@ -266,6 +266,9 @@ class Decision:
     measured: tuple[tuple[tuple[int, int], progress.Sample], ...] = ()
     # keys whose free sample was interrupted and measured nothing
     dropped: tuple[tuple[int, int], ...] = ()
+    # (key, paced launch rate now, at its last reading) where the loop changed
+    # phase and its speed readings were forgotten (progress.NEW_PHASE)
+    forgotten: tuple[tuple[tuple[int, int], float, float], ...] = ()
 
 
 @dataclass
@@ -496,6 +499,7 @@ class DutyPacer:
         given: list[tuple[tuple[int, int], float]] = []
         measured: list[tuple[tuple[int, int], progress.Sample]] = []
         dropped: list[tuple[int, int]] = []
+        forgotten: list[tuple[tuple[int, int], float, float]] = []
         # The groups paced here by their own synchronizes (as of the last
         # step) and when each was last active: beside one of them, on its
         # device, a group that synchronizes rarely is paced here too.
@@ -513,7 +517,8 @@ class DutyPacer:
                 k = None
             if k is None:
                 k = self._keys[key] = _Key(cap=cap, t=now, consumed=u.consumed, syncs=u.syncs,
-                                           meter=progress.ProgressMeter(self.sample_share))
+                                           meter=progress.ProgressMeter(
+                                               self.sample_share, 1.0 - self.host_stop_share))
                 k.sync_marks.append((now, u.syncs, 0.0, u.launches, u.sync_s))
             k.cap = min(max(cap, 1.0), 99.0)
             dt = min(max(now - k.t, 0.0), MAX_STEP_S)
@@ -579,13 +584,15 @@ class DutyPacer:
             elif window is not None and window[1] >= LAUNCH_SLACK_SHARE or gpu_busy:
                 k.launch_bound = False
             alone = mode is Mode.DUTY and key not in obs.shared and not by_neighbour
-            drops = k.meter.dropped
+            drops, phases = k.meter.dropped, k.meter.phases
             sample = k.meter.step(now, u.launches, k.held_s,
                                   alone and k.sampled and k.cap >= SAMPLE_FROM_CAP, held)
             if sample is not None:
                 measured.append((key, sample))
             if k.meter.dropped != drops:
                 dropped.append(key)
+            if k.meter.phases != phases:
+                forgotten.append((key, *k.meter.new_phase))
             stop_share = (self.host_stop_share if k.launch_bound and alone else 0.0)
             if alone and k.sampled and k.meter.speed is not None:
                 # measured: what it does per second of running, against free
@@ -662,4 +669,5 @@ class DutyPacer:
         return Decision(keys=decisions, release=frozenset(release), cut_short=frozenset(cut),
                         mode_changes=tuple(changes), next_step=next_step,
                         slice_changes=tuple(slices), given_back=tuple(given),
-                        measured=tuple(measured), dropped=tuple(dropped))
+                        measured=tuple(measured), dropped=tuple(dropped),
+                        forgotten=tuple(forgotten))

@@ -43,15 +43,28 @@ times a second, as a graph replay may) measures nothing; one interrupted
 is dropped, and so is one the loop changed phase around: its paced rate
 is measured again over as much running after the sample, and the two must
 agree within SAME_PHASE (set-up and warm-up launch at rates far from a
-timed loop's own), and the ratio, against their mean, lie within
-[MIN_RATIO, MAX_RATIO]. Estimates lie within [MIN_SPEED, MAX_SPEED], and
-the speed is the median of the last ESTIMATES of them (one odd sample moves
-it little, two that agree all the way). A speed under 1 lets the group run
-more than its cap's share of the time (it errs open). None runs it less:
-a sample that reads over 1 counts as 1. Such readings come from loops
-whose GPU still has work queued when they are held; paced by them, an
-encoder loop ran 6-9 points under a cap of 75 for seconds at a time. A
-loop that really does more paced than free runs over its cap by as much.
+timed loop's own, twice or half of it), and the ratio, against their mean,
+lie within [MIN_RATIO, MAX_RATIO].
+
+One reading is noisy: a launch-bound loop's own launch rate moves 10-30%
+from one second to the next on the H200's VM (an encoder loop recorded free:
+18,500-28,800 launches a second), so the ratio of two one-second rates is
+good to about 15%. A tighter SAME_PHASE drops most samples of such a loop,
+each one's free seconds spent for nothing. So the speed is the mean of the
+last ESTIMATES readings and of the first guess (`prior`: the speed the
+pacer assumes before any sample, 1 - duty.HOST_STOP_SHARE, counted as
+PRIOR_WEIGHT readings), within [MIN_SPEED,
+MAX_SPEED]: the mean, not a median, because readings are averaged before
+they are bounded (bounded first, noise around a speed near 1 would only
+ever pull it down); the prior because a few readings that happen to run
+high would have the loop run its bare cap's share while held costs it
+(replayed, such readings held an encoder loop 6-16 s under cap - 10). A
+speed under 1 lets the group run more than its cap's share of the time (it
+errs open). None runs it less: over 1 counts as 1. Readings over 1 come
+from loops whose GPU still has work queued when they are held; paced by
+them, an encoder loop ran 6-9 points under a cap of 75 for seconds at a
+time. A loop that really does more paced than free runs over its cap by
+as much.
 """
 from __future__ import annotations
 
@@ -71,10 +84,14 @@ PACED_WINDOW_S = 3.0    # the paced rate: over this much running before a sample
 MIN_LAUNCHES = 50       # launches a rate is taken over, at least (each of paced and free)
 MIN_SPEED = 0.7         # the speed, at least (run cap / 0.7 of the time at most)
 MAX_SPEED = 1.0         # ... at most: never under its cap's share of the time
-ESTIMATES = 3           # the speed: the median of this many last estimates
+ESTIMATES = 3           # the speed: the mean of this many last readings and the prior
+PRIOR_WEIGHT = 1        # ... the prior counted as this many readings
 MIN_RATIO = 0.5         # a ratio outside these: a phase change, not the stops' cost
 MAX_RATIO = 1.6
-SAME_PHASE = 0.1        # paced rates before and after a sample this close (relative): one phase
+SAME_PHASE = 0.3        # paced rates before and after a sample this close (relative): one phase
+NEW_PHASE = 1.6         # paced this many times faster or slower than at the last reading: another
+                        # phase, whose readings are forgotten
+PHASE_CHECK_S = 1.0     # ... told over this much paced running, at least
 
 
 class Phase(str, Enum):
@@ -133,11 +150,15 @@ class _Window:
 class ProgressMeter:
     """One (group, device)'s speed when paced; `step` once per tick."""
 
-    def __init__(self, share: float = SAMPLE_SHARE) -> None:
+    def __init__(self, share: float = SAMPLE_SHARE, prior: float = MAX_SPEED) -> None:
         self.share = share      # 0: never sampled
+        self.prior = prior      # the speed assumed before any sample (the pacer's first guess)
         self.phase = Phase.OFF
         self.speed: float | None = None     # None until a sample measured it
         self.samples = 0
+        self.phases = 0                     # readings forgotten for a new phase
+        self.new_phase = (0.0, 0.0)         # ... the last time: (paced rate now, at the readings)
+        self._run = 0                       # samples since the first of this phase
         self.dropped = 0
         self._paced = _Window(PACED_WINDOW_S)
         self._retry = False                 # the last sample was dropped: the next one soon
@@ -147,7 +168,7 @@ class ProgressMeter:
         self._held_at_sample = 0.0
         self._before = (0.0, 0.0)           # (paced rate, running it was taken over)
         self._free_hz = 0.0
-        self._estimates: collections.deque = collections.deque(maxlen=ESTIMATES)
+        self._readings: collections.deque = collections.deque(maxlen=ESTIMATES)
 
     @property
     def sampling(self) -> bool:
@@ -171,7 +192,7 @@ class ProgressMeter:
         steady = SAMPLE_S * (1.0 / self.share - 1.0)
         if self._retry:
             return min(FIRST_RUN_S, steady)
-        return min(FIRST_RUN_S * RUN_GROWTH ** self.samples, steady)
+        return min(FIRST_RUN_S * RUN_GROWTH ** self._run, steady)
 
     def step(self, now: float, launches: int, held_s: float, measured: bool,
              held: bool = False) -> Sample | None:
@@ -196,6 +217,9 @@ class ProgressMeter:
         w.add(now, launches, held_s)
         r = w.rate()
         if self.phase is Phase.PACED:
+            if (r is not None and self._readings and w.ran >= PHASE_CHECK_S
+                    and r[1] >= MIN_LAUNCHES and not self._same_phase(r[0])):
+                self._forget(r[0])
             if r is None or w.ran < self._due() or held:
                 return None
             if r[1] < MIN_LAUNCHES:
@@ -218,16 +242,35 @@ class ProgressMeter:
             return None
         self._retry = False
         self.samples += 1
-        self._estimate(min(max(ratio, MIN_SPEED), MAX_SPEED))
+        self._estimate(ratio, paced)
         return Sample(free_hz=self._free_hz, paced_hz=before, ratio=ratio, speed=self.speed,
                       after_hz=after)
 
-    def _estimate(self, est: float) -> None:
-        """The speed: the median of the last ESTIMATES estimates (the mean
-        of two), so that one odd sample moves it little and two agreeing
-        ones move it all the way."""
-        self._estimates.append(est)
-        self.speed = statistics.median(self._estimates)
+    def _same_phase(self, paced_hz: float) -> bool:
+        """Paced at a rate within NEW_PHASE of the last reading's."""
+        return 1.0 / NEW_PHASE <= paced_hz / self._readings[-1][1] <= NEW_PHASE
+
+    def _forget(self, paced_hz: float) -> None:
+        """The loop changed phase since its readings (a warm-up was sampled,
+        then came its timed loop): they are forgotten, the speed is unknown
+        again (the pacer's first guess), and the next sample comes soon, the
+        ones after it as they did after the first."""
+        self.new_phase = (paced_hz, self._readings[-1][1])
+        self._readings.clear()
+        self.speed = None
+        self.phases += 1
+        self._run = 0
+        self._retry = True
+
+    def _estimate(self, ratio: float, paced_hz: float) -> None:
+        """The speed: the mean of the last ESTIMATES readings, unbounded,
+        and the prior (PRIOR_WEIGHT readings' worth), then bounded."""
+        if self._readings and not self._same_phase(paced_hz):
+            self._forget(paced_hz)
+        self._run += 1
+        self._readings.append((ratio, paced_hz))
+        vals = [r for r, _hz in self._readings] + [self.prior] * PRIOR_WEIGHT
+        self.speed = min(max(statistics.fmean(vals), MIN_SPEED), MAX_SPEED)
 
     def _sampling(self, now: float, launches: int, held_s: float) -> None:
         if held_s > self._held_at_sample + 1e-9:
