@@ -405,6 +405,48 @@ def test_unseen_loops_keep_the_floor_and_err_open(name, speed, cap):
     assert 100 * rep.loop_mean >= cap - TOLERANCE_PTS, rep.line()
 
 
+# A cap set on a running launch-bound loop, judged over its first half-minute
+# from 5 s after it, as the GPU suite judges a run (bench/replay_sweep.py runs
+# many more): the loop's own launch rate moves 10-30% from second to second,
+# and readings must not be spent on that noise (each dropped sample runs free
+# for nothing) nor lean on one high reading (it would run under the cap).
+STRETCH_S = 30.0
+STRETCHES = [(n, cap, offset, cost)
+             for n in ("llm_decode", "bert_infer", "gpt2_decode", "loader_train")
+             for cap in (50, 75) for offset in (7.0, 20.0) for cost in ("held", "cold")]
+COSTS = {"held": replay.HELD_MEASURED, "cold": replay.COLD_MEASURED}
+
+
+@functools.lru_cache(maxsize=None)
+def _looped(name: str):
+    rec = workload.repeat_loop(replay.load(TRACES / f"{name}.json.gz"), 8)
+    wl = replay.fit(rec)
+    return rec, wl, replay.replay(wl)
+
+
+def _stretch(name: str, cap: int, offset: float, cost: str) -> replay.Report:
+    rec, wl, base = _looped(name)
+    start = rec.loop_start + offset
+    run = replay.replay_capped(wl, cap, horizon=start + STRETCH_S, cold=COSTS[cost],
+                               start=start, pacer=duty.DutyPacer())
+    return replay.compare(run, base, (start, start + STRETCH_S))
+
+
+def test_a_cap_set_on_a_running_launch_bound_loop_settles_in_its_first_half_minute():
+    if not all((TRACES / f"{n}.json.gz").exists() for n, *_ in STRETCHES):
+        pytest.skip("recordings missing")
+    errors = []
+    for name, cap, offset, cost in STRETCHES:
+        rep = _stretch(name, cap, offset, cost)
+        assert rep.loop_below_longest_s <= FAIL_OPEN_S, (name, cap, offset, cost, rep.line())
+        errors.append(100 * rep.loop_mean - cap)
+    within = sum(abs(e) <= TOLERANCE_PTS for e in errors)
+    # (a sample dropped at every 10% move of the loop's rate, and the median
+    # of readings bounded first: 17 of 32 within, a mean of +4.8)
+    assert within >= 0.65 * len(errors), sorted(round(e, 1) for e in errors)
+    assert -1.0 <= sum(errors) / len(errors) <= 4.0, sorted(round(e, 1) for e in errors)
+
+
 @pytest.mark.parametrize("speed", (None, 0.75))
 def test_without_samples_a_fixed_allowance_misses_the_cap_either_way(speed):
     # The same decode loop at cap 50 given back duty.HOST_STOP_SHARE
