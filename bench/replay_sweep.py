@@ -19,8 +19,10 @@ another on the same stretches in one invocation's output.
   python3 bench/replay_sweep.py --set progress.SAME_PHASE=0.3
 
 Prints, per stretch length: stretches within +-5 points, mean absolute and
-mean signed error (points), and the stretches that spent more than 5 s in a
-row under cap - 10; with --rows, every stretch.
+mean signed error (points), the stretches that spent more than 5 s in a
+row under cap - 10, and the free samples that measured the loop's speed and
+that were dropped; with --rows, every stretch (with its samples, and the
+times its readings were forgotten for a new phase).
 """
 from __future__ import annotations
 
@@ -85,9 +87,11 @@ def one(job: tuple) -> dict:
     run = replay.replay_capped(wl, cap, horizon=start + stretch, cold=MODELS[model],
                                start=start, pacer=pacer)
     r = replay.compare(run, base, (start, start + stretch))
+    measured, dropped, forgotten = pacer.samples((0, 0))
     return {"workload": wl.name, "model": model, "cap": cap, "offset": offset,
             "stretch": stretch, "share": None if r.loop_mean is None else 100 * r.loop_mean,
-            "below_s": r.loop_below_longest_s or 0.0}
+            "below_s": r.loop_below_longest_s or 0.0, "measured": measured,
+            "dropped": dropped, "forgotten": forgotten}
 
 
 def summary(rows: list[dict]) -> str:
@@ -100,7 +104,9 @@ def summary(rows: list[dict]) -> str:
             f"mean |error| {statistics.mean(abs(e) for e in errs):.2f} pts, "
             f"mean error {statistics.mean(errs):+.2f} pts (from {min(errs):+.1f} to "
             f"{max(errs):+.1f}); over {FLOOR_S:.0f} s under cap - {FLOOR_PTS:.0f}: "
-            f"{len(floor)} (longest {max((r['below_s'] for r in rows), default=0):.0f} s)")
+            f"{len(floor)} (longest {max((r['below_s'] for r in rows), default=0):.0f} s); "
+            f"samples {sum(r['measured'] for r in rows)} measured, "
+            f"{sum(r['dropped'] for r in rows)} dropped")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,7 +145,9 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows:
             share = "-" if r["share"] is None else f"{r['share']:5.1f}"
             print(f"  {r['workload']:<14} {r['model']:<5} cap {r['cap']:3.0f} from {r['offset']:4.0f} s"
-                  f"  {r['stretch']:3.0f} s  share {share}  under cap-10 {r['below_s']:.0f} s")
+                  f"  {r['stretch']:3.0f} s  share {share}  under cap-10 {r['below_s']:.0f} s"
+                  f"  samples {r['measured']} measured {r['dropped']} dropped"
+                  f" {r['forgotten']} forgotten")
     return 0
 
 

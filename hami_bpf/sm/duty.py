@@ -445,6 +445,12 @@ class DutyPacer:
         k = self._keys.get(key)
         return None if k is None else k.meter.speed
 
+    def samples(self, key: tuple[int, int]) -> tuple[int, int, int]:
+        """Its speed meter's free samples so far: (measured, dropped, and
+        times its readings were forgotten for a new phase)."""
+        k = self._keys.get(key)
+        return (0, 0, 0) if k is None else (k.meter.samples, k.meter.dropped, k.meter.phases)
+
     def reserve(self, key: tuple[int, int]) -> float:
         """What its free samples ran over its share, still to be held."""
         k = self._keys.get(key)
