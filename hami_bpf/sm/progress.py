@@ -53,12 +53,16 @@ good to about 15%. A tighter SAME_PHASE drops most samples of such a loop,
 each one's free seconds spent for nothing. So the speed is the mean of the
 last ESTIMATES readings and of the first guess (`prior`: the speed the pacer
 assumes before any sample, 1 - duty.HOST_STOP_SHARE, counted as
-PRIOR_WEIGHT readings), within [MIN_SPEED, MAX_SPEED]. The mean, not a
-median, and averaged before it is bounded: bounded first, noise around a
-speed near 1 would only ever pull it down. The prior, because a few
-readings that happen to run high would have a loop that loses 15% when
-held run its bare cap's share (replayed, an encoder loop spent 6-16 s in a
-row under cap - 10 so). A loop paced NEW_PHASE times faster or slower than
+PRIOR_WEIGHT readings, more where the readings spread more than the first
+guess's own spread, PRIOR_SPREAD), within [MIN_SPEED, MAX_SPEED]. The
+mean, not a median, and averaged before it is bounded: bounded first,
+noise around a speed near 1 would only ever pull it down. The prior,
+because a few readings that happen to run high would have a loop that
+loses 15% when held run its bare cap's share (replayed, an encoder loop
+spent 6-16 s in a row under cap - 10 so); weighed by their spread, because
+where the meter cannot tell it errs open: readings that agree (a decode
+loop's, within 0.03) move the speed all the way, noisy ones (an encoder
+loop's, 0.1-0.2 apart) leave it nearer the first guess. A loop paced NEW_PHASE times faster or slower than
 at its last reading (a warm-up was sampled, then came its timed loop) is in
 another phase: its readings are forgotten, the first guess holds again,
 and samples come as they did at first.
@@ -89,7 +93,9 @@ MIN_LAUNCHES = 50       # launches a rate is taken over, at least (each of paced
 MIN_SPEED = 0.7         # the speed, at least (run cap / 0.7 of the time at most)
 MAX_SPEED = 1.0         # ... at most: never under its cap's share of the time
 ESTIMATES = 3           # the speed: the mean of this many last readings and the prior
-PRIOR_WEIGHT = 1        # ... the prior counted as this many readings
+PRIOR_WEIGHT = 1        # ... the prior counted as this many readings, at least
+PRIOR_SPREAD = 0.07     # ... or as (the readings' spread / this)^2: the first guess's own spread
+                        # (held decode loops did 0.77-0.93 of their free speed); 0: never
 MIN_RATIO = 0.5         # a ratio outside these: a phase change, not the stops' cost
 MAX_RATIO = 1.6
 SAME_PHASE = 0.3        # paced rates before and after a sample this close (relative): one phase
@@ -268,13 +274,20 @@ class ProgressMeter:
 
     def _estimate(self, ratio: float, paced_hz: float) -> None:
         """The speed: the mean of the last ESTIMATES readings, unbounded,
-        and the prior (PRIOR_WEIGHT readings' worth), then bounded."""
+        and the prior, then bounded. The prior counts as PRIOR_WEIGHT
+        readings, or as many more as the readings' spread against
+        PRIOR_SPREAD says (each reading's error against the prior's): the
+        noisier they are, the closer the speed stays to the first guess."""
         if self._readings and not self._same_phase(paced_hz):
             self._forget(paced_hz)
         self._run += 1
         self._readings.append((ratio, paced_hz))
-        vals = [r for r, _hz in self._readings] + [self.prior] * PRIOR_WEIGHT
-        self.speed = min(max(statistics.fmean(vals), MIN_SPEED), MAX_SPEED)
+        ratios = [r for r, _hz in self._readings]
+        weight = float(PRIOR_WEIGHT)
+        if PRIOR_SPREAD > 0 and len(ratios) >= 2:
+            weight = max(weight, (statistics.stdev(ratios) / PRIOR_SPREAD) ** 2)
+        speed = (sum(ratios) + weight * self.prior) / (len(ratios) + weight)
+        self.speed = min(max(speed, MIN_SPEED), MAX_SPEED)
 
     def _sampling(self, now: float, launches: int, held_s: float) -> None:
         if held_s > self._held_at_sample + 1e-9:

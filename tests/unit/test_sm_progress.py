@@ -230,8 +230,9 @@ def test_one_odd_sample_moves_the_speed_by_its_share_of_the_mean():
     assert m.speed == pytest.approx(0.8 + (0.95 - 0.8) / weight, abs=0.02)
 
 
-def test_readings_are_averaged_before_they_are_bounded():
+def test_readings_are_averaged_before_they_are_bounded(monkeypatch):
     # noise around a speed near 1 must not only ever pull it down
+    monkeypatch.setattr(progress, "PRIOR_SPREAD", 0.0)
     m = ProgressMeter(prior=0.9)
     m._estimate(1.15, 9000.0)
     m._estimate(0.85, 9000.0)
@@ -242,6 +243,21 @@ def test_readings_are_averaged_before_they_are_bounded():
     for _ in range(progress.ESTIMATES):
         m._estimate(0.3, 9000.0)
     assert m.speed == progress.MIN_SPEED
+
+
+def test_noisy_readings_leave_the_speed_nearer_the_first_guess():
+    # where the meter cannot tell, it errs open: readings that agree move
+    # the speed all the way (the prior one reading's worth), readings as
+    # far apart as a noisy loop's leave it near the first guess
+    agree, noisy = ProgressMeter(prior=0.85), ProgressMeter(prior=0.85)
+    for r in (1.0, 1.01, 0.99):
+        agree._estimate(r, 9000.0)
+    assert agree.speed == pytest.approx(expected_speed([1.0, 1.01, 0.99], 0.85), abs=1e-9)
+    for r in (1.2, 0.85, 0.95):
+        noisy._estimate(r, 9000.0)
+    # as the same mean would with the prior one reading's worth: 0.9625
+    assert noisy.speed < expected_speed([1.0] * 3, 0.85) - 0.03
+    assert 0.85 < noisy.speed < 1.0
 
 
 @settings(max_examples=40, deadline=None)
