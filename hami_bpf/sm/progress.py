@@ -47,25 +47,25 @@ timed loop's own, twice or half of it), and the ratio, against their mean,
 lie within [MIN_RATIO, MAX_RATIO].
 
 One reading is noisy: a launch-bound loop's own launch rate moves 10-30%
-from one second to the next on the H200's VM (an encoder loop recorded free:
-18,500-28,800 launches a second), so the ratio of two one-second rates is
-good to about 15%. A tighter SAME_PHASE drops most samples of such a loop,
-each one's free seconds spent for nothing. So the speed is the mean of the
-last ESTIMATES readings and of the first guess (`prior`: the speed the pacer
-assumes before any sample, 1 - duty.HOST_STOP_SHARE, counted as
+from one second to the next on the H200's VM (an encoder loop recorded
+free: 18,500-28,800 launches a second), so the ratio of two one-second
+rates is good to about 15%. A tighter SAME_PHASE drops most samples of such
+a loop, each one's free seconds spent for nothing. So the speed is the mean
+of the last ESTIMATES readings and of the first guess (`prior`: the speed
+the pacer assumes before any sample, 1 - duty.HOST_STOP_SHARE, counted as
 PRIOR_WEIGHT readings, more where the readings spread more than the first
-guess's own spread, PRIOR_SPREAD), within [MIN_SPEED, MAX_SPEED]. The
-mean, not a median, and averaged before it is bounded: bounded first,
-noise around a speed near 1 would only ever pull it down. The prior,
-because a few readings that happen to run high would have a loop that
-loses 15% when held run its bare cap's share (replayed, an encoder loop
-spent 6-16 s in a row under cap - 10 so); weighed by their spread, because
-where the meter cannot tell it errs open: readings that agree (a decode
-loop's, within 0.03) move the speed all the way, noisy ones (an encoder
-loop's, 0.1-0.2 apart) leave it nearer the first guess. A loop paced NEW_PHASE times faster or slower than
-at its last reading (a warm-up was sampled, then came its timed loop) is in
-another phase: its readings are forgotten, the first guess holds again,
-and samples come as they did at first.
+guess's own spread, PRIOR_SPREAD), within [MIN_SPEED, MAX_SPEED]. The mean,
+not a median, and averaged before it is bounded: bounded first, noise
+around a speed near 1 would only ever pull it down. The prior, because a
+few readings that happen to run high would have a loop that loses 15% when
+held run its bare cap's share (replayed, an encoder loop spent 6-16 s in a
+row under cap - 10 so); weighed by their spread, because where the meter
+cannot tell it errs open: readings that agree (a decode loop's, within
+0.03) move the speed all the way, noisy ones (an encoder loop's, 0.1-0.2
+apart) leave it nearer the first guess. A loop paced NEW_PHASE times faster
+or slower than at its last reading (a warm-up was sampled, then came its
+timed loop) is in another phase: its readings are forgotten, the first
+guess holds again, and samples come as they did at first.
 
 A speed under 1 lets the group run more than its cap's share of the time
 (it errs open). None runs it less: over 1 counts as 1. Readings over 1
