@@ -45,6 +45,13 @@ class Loop:
             self.launches += self.paced_hz * TICK
         return meter.step(self.t, int(self.launches), self.held_s, measured, held, **kw)
 
+    def through_a_sample(self, meter: ProgressMeter) -> None:
+        """Step until the meter has run a free sample and is confirming it."""
+        while not meter.sampling:
+            self.step(meter)
+        while meter.sampling:
+            self.step(meter)
+
     def run(self, meter: ProgressMeter, seconds: float, measured: bool = True) -> list:
         out = []
         for _ in range(round(seconds / TICK)):
@@ -82,10 +89,7 @@ def test_a_loop_whose_rate_moves_by_a_fifth_around_a_sample_is_measured():
     # a launch-bound loop's own rate moves 10-30% from second to second:
     # a sample its paced rate moved around by less than SAME_PHASE counts
     m, loop = ProgressMeter(), Loop(paced_hz=9000, free_hz=10000)
-    while not m.sampling:
-        loop.step(m)
-    while m.sampling:
-        loop.step(m)
+    loop.through_a_sample(m)
     loop.paced_hz = 9000 * (1 + 0.8 * progress.SAME_PHASE)
     while m.samples + m.dropped == 0:
         loop.step(m)
@@ -168,10 +172,7 @@ def test_the_first_sample_comes_within_seconds_and_then_samples_take_their_share
 
 def test_a_loop_that_changes_phase_around_a_sample_is_not_measured():
     m, loop = ProgressMeter(), Loop(paced_hz=9000, free_hz=9000)
-    while not m.sampling:
-        loop.step(m)
-    while m.sampling:
-        loop.step(m)
+    loop.through_a_sample(m)
     loop.paced_hz = 4000        # after the sample, another phase
     assert loop.run(m, 6.0) == []
     assert m.dropped >= 1 and m.speed is None
@@ -401,8 +402,8 @@ FAIL_OPEN_S = 5
 
 
 @functools.lru_cache(maxsize=None)
-def _workload(name: str):
-    rec = workload.repeat_loop(replay.load(TRACES / f"{name}.json.gz"), REPEAT)
+def _workload(name: str, repeat: int = REPEAT):
+    rec = workload.repeat_loop(replay.load(TRACES / f"{name}.json.gz"), repeat)
     wl = replay.fit(rec)
     return rec, wl, replay.replay(wl)
 
@@ -467,15 +468,8 @@ STRETCHES = [(n, cap, offset, cost)
 COSTS = {"held": replay.HELD_MEASURED, "cold": replay.COLD_MEASURED}
 
 
-@functools.lru_cache(maxsize=None)
-def _looped(name: str):
-    rec = workload.repeat_loop(replay.load(TRACES / f"{name}.json.gz"), 8)
-    wl = replay.fit(rec)
-    return rec, wl, replay.replay(wl)
-
-
 def _stretch(name: str, cap: int, offset: float, cost: str) -> replay.Report:
-    rec, wl, base = _looped(name)
+    rec, wl, base = _workload(name, 8)
     start = rec.loop_start + offset
     run = replay.replay_capped(wl, cap, horizon=start + STRETCH_S, cold=COSTS[cost],
                                start=start, pacer=duty.DutyPacer())
