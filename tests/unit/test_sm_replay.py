@@ -60,6 +60,11 @@ TRACE_EXPECT = {             # recordings made on a GPU (judged on their timed l
     "phased": "duty",        # training and evaluation phases, each synchronizing per step
     "jax_train": "loop_budget",  # synchronizes while it compiles; its loop waits on host
                              # functions (cuLaunchHostFunc), not a synchronize
+    "jax_decode": "loop_budget",  # likewise: a jitted call per token, its result read
+                             # through a host function
+    "unet_sample": "loop_budget",  # a synchronize per batch of 25 sampler steps: 3-7 a
+                             # second, too rare to be paced by time
+    "cupy_fluid": "duty",    # cuFFT steps, a synchronize every 10 (a CFL check)
 }
 LOOP_DUTY_SHARE = 0.95       # the loop's steps in DUTY mode at least
 # no hold lasts longer: MAX_HOLD_S, or twice the longest quantum of a group
