@@ -32,7 +32,7 @@ from ..limits import HAMI_DEFAULT_PRIORITY
 from ..throttle import (BUSY_S, LEARN_IDLE_S, TURN_PERIOD_S, UNLIMITED, Budget, Completions,
                         completion_rate, correct_rate, held_to_cap, neighbours, next_edge,
                         tick as budget_tick)
-from . import duty, guard, progress
+from . import duty, guard, progress, resample
 from .alone import AloneTable
 from .turntable import TurnTable
 
@@ -192,6 +192,7 @@ class SmController:
                                    host_stop_share=settings.host_stop_share,
                                    sample_share=settings.sample_share)
         self.guard = guard.Guard()
+        self.resample = resample.Resampler()        # budgets' full rates, in free samples
         self.next_step: float | None = None         # duty pacing's next step
         self._probe_s = 0.0                         # the last observation's probe cost
         self._names: dict[int, str] = {}            # ... and its group names, by index
@@ -225,6 +226,7 @@ class SmController:
             self.forget_budget(key)
         self.duty.forget_group(index)
         self.guard.forget_group(index)
+        self.resample.forget_group(index)
         self.turntable.forget_group(index)
         self.alone.forget_group(name, index, self._names)
         for per_key in (self._prev_use, self._last_busy, self._first_busy, self._done,
@@ -242,6 +244,7 @@ class SmController:
         (neighbours are split by them)."""
         self.budgets.pop(key, None)
         self.guard.forget(key)
+        self.resample.forget(key)
         self.sm_share.pop(key, None)
         self.lending.discard(key)
 
@@ -619,8 +622,8 @@ class SmController:
                 if b.learning and learning and not held:
                     self.guard.reference(key, util.get(dev), now)
                 if not b.learning and key not in self.turns and key not in self.lending \
-                        and obs.util is not None:
-                    self._guard(obs, key, group, g, b, held)
+                        and self._check_rate(obs, key, group, g, b, held, consumed):
+                    granted = max(granted, consumed + UNLIMITED)
                 # No checkpoint for a group free to use what is idle: it is
                 # not held to anything the learning would apply.
                 grants[key] = Grant(granted, checkpoint=b.learning and key not in self.lending,
@@ -659,13 +662,26 @@ class SmController:
         return any(k[1] == key[1] and k[0] != key[0] and now - t <= BUSY_S
                    for k, t in self._last_busy.items())
 
-    def _guard(self, obs: Observation, key: Key, group: str, g: Group, b: Budget,
-               held: bool) -> None:
-        """Check a budget-paced group's learned rate against the GPU (sm.guard)
-        and correct it: a group held while its device idles is loosened at once."""
-        now = obs.now
+    def _check_rate(self, obs: Observation, key: Key, group: str, g: Group, b: Budget,
+                    held: bool, consumed: int) -> bool:
+        """Check a budget-paced group's rate in free samples (sm.resample) and
+        against the GPU (sm.guard), and correct it (a group held while its
+        device idles is loosened at once). True: it runs free this tick."""
+        now, shared = obs.now, self._neighbour_busy(key, obs.now)
+        free, res = self.resample.step(key, now=now, consumed=consumed, held=held,
+                                       alone=not shared, full_rate=b.full_rate)
+        if res is not None:
+            owed_s = resample.settle(b, res, consumed)
+            self.resample.quiet(key, now + owed_s + guard.WINDOW_S)
+            self._counts["sm_corrections_free_sample"] += res.raised
+            self._record("throttle", "resampled", group=group, device=key[1],
+                         free_rate=round(res.free_rate, 1), full_rate=round(res.full_rate, 1),
+                         gain=round(res.gain, 4), raised=res.raised, owed_s=round(owed_s, 3))
+        if not self.resample.guarded(key, now):
+            self.guard.restart(key)     # a sample and its repaying: not the budget's price
+        if obs.util is None or not self.resample.guarded(key, now):
+            return free
         util = obs.util.get(key[1])
-        shared = self._neighbour_busy(key, now)
         source = guard.Source.DEVICE
         per_pid = obs.process_util.get(key[1])
         if per_pid:
@@ -675,10 +691,10 @@ class SmController:
         c = self.guard.observe(key, now=now, cap=b.cap, held=held, util=util, shared=shared,
                                source=source, consumed=b.last_consumed, full_rate=b.full_rate)
         if c is None:
-            return
+            return free
         correct_rate(b, c.gain)
         self._counts[f"sm_corrections_{c.reason.value}"] += 1
         self._record("throttle", "corrected", group=group, device=key[1],
-                     sm_correction=c.reason.value,
-                     gain=round(c.gain, 4), util=round(c.util, 1), target=round(c.target, 1),
-                     cap=c.cap, source=c.source.value, rate=b.rate)
+                     sm_correction=c.reason.value, gain=round(c.gain, 4), util=round(c.util, 1),
+                     target=round(c.target, 1), cap=c.cap, source=c.source.value, rate=b.rate)
+        return free

@@ -127,6 +127,13 @@ class Guard:
         self._streak.pop(key, None)
         self._free.discard(key)
 
+    def restart(self, key: tuple[int, int]) -> None:
+        """Drop the window being filled (its reference stays): what it saw
+        was not the budget's doing."""
+        self._w.pop(key, None)
+        self._streak.pop(key, None)
+        self._free.discard(key)
+
     def forget_group(self, group_index: int) -> None:
         for key in [k for k in self._w if k[0] == group_index]:
             del self._w[key]

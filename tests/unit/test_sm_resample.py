@@ -1,0 +1,133 @@
+"""A budget-paced group's full rate checked in free samples (sm.resample):
+raised where the group runs faster than it learned, never lowered, the
+sample repaid; and the controller carrying it out."""
+from __future__ import annotations
+
+import collections
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hami_bpf.sm import resample
+from hami_bpf.sm.resample import Resampler
+from hami_bpf.throttle import UNLIMITED, Budget
+from test_sm_controller import DEV, Load, controller, events, groups, learn, step
+
+KEY = (1, 0)
+TICK = 0.05
+
+
+def paced(r: Resampler, *, rate_in_sample: float, full_rate: float = 1000.0,
+          held_share: float = 0.5, alone=lambda t: True, until: float = 30.0):
+    """Tick a group held `held_share` of each second that launches at
+    `rate_in_sample` whenever it runs free; (ticks run free, results)."""
+    t, consumed, free_ticks, results = 0.0, 0, 0, []
+    free = False
+    while t < until:
+        t = round(t + TICK, 6)
+        if free:
+            consumed += int(rate_in_sample * TICK)
+        held = not free and (t % 1.0) < held_share
+        free, res = r.step(KEY, now=t, consumed=consumed, held=held, alone=alone(t),
+                           full_rate=full_rate)
+        free_ticks += free
+        if res is not None:
+            results.append((t, res))
+    return free_ticks, results
+
+
+def test_a_group_its_budget_holds_runs_free_for_a_sample_every_so_often():
+    free_ticks, results = paced(Resampler(), rate_in_sample=1000.0, until=25.0)
+    # Two samples in 25 s of pacing, each SAMPLE_S long.
+    assert len(results) == 2
+    assert abs(free_ticks * TICK - 2 * resample.SAMPLE_S) <= 2 * TICK
+    t0 = results[0][0]
+    assert resample.SAMPLE_EVERY_S <= t0 <= resample.SAMPLE_EVERY_S + resample.SAMPLE_S + 2 * TICK
+
+
+def test_a_sample_faster_than_the_learned_rate_raises_it_by_that_much():
+    _free, results = paced(Resampler(), rate_in_sample=2000.0, until=12.0)
+    (_t, res), = results
+    assert res.raised and abs(res.gain - 2.0) < 0.05
+    assert abs(res.free_rate - 2000.0) < 100.0 and res.full_rate == 1000.0
+
+
+def test_a_sample_never_lowers_the_rate_and_raises_by_a_bounded_factor():
+    _free, results = paced(Resampler(), rate_in_sample=300.0, until=12.0)
+    assert [res.gain for _t, res in results] == [1.0]
+    _free, results = paced(Resampler(), rate_in_sample=1050.0, until=12.0)
+    assert [res.raised for _t, res in results] == [False]    # within RAISE_MIN: kept
+    _free, results = paced(Resampler(), rate_in_sample=50_000.0, until=12.0)
+    assert [res.gain for _t, res in results] == [resample.RAISE_MAX]
+
+
+def test_no_sample_where_the_budget_barely_holds_or_beside_another_group():
+    assert paced(Resampler(), rate_in_sample=2000.0, held_share=0.0) == (0, [])
+    assert paced(Resampler(), rate_in_sample=2000.0, alone=lambda t: False) == (0, [])
+    # A neighbour arriving during the sample ends it unmeasured.
+    free_ticks, results = paced(Resampler(), rate_in_sample=2000.0, until=12.0,
+                                alone=lambda t: not 10.5 <= t <= 11.0)
+    assert results == [] and 0 < free_ticks * TICK < resample.SAMPLE_S
+
+
+def test_the_guard_waits_out_a_sample_and_its_repaying():
+    r = Resampler()
+    paced(r, rate_in_sample=2000.0, until=10.4)
+    assert r.sampling(KEY) and not r.guarded(KEY, 10.4)
+    r.quiet(KEY, 20.0)
+    r.forget(KEY)
+    assert r.guarded(KEY, 10.4)
+
+
+def test_a_settled_sample_is_repaid_by_its_budget_up_to_a_bound():
+    b = Budget(cap=25.0, rate=250.0, full_rate=1000.0, credit=10_000.0, granted=10_000)
+    # It launched 1,000 units past its credit, at twice its learned rate:
+    # two seconds of the raised rate owed.
+    owed = resample.settle(b, resample.Result(2000.0, 1000.0, 2.0), consumed=11_000)
+    assert b.full_rate == 2000.0 and b.rate == 500.0
+    assert b.credit == 10_000.0 and b.granted == 10_000 and owed == 2.0
+    b = Budget(cap=25.0, rate=250.0, full_rate=1000.0, credit=0.0, granted=0)
+    owed = resample.settle(b, resample.Result(900.0, 1000.0, 1.0), consumed=10_000)
+    assert owed == resample.REPAY_MAX_S and b.full_rate == 1000.0
+    assert b.credit == 10_000 - 250.0 * resample.REPAY_MAX_S
+
+
+@settings(max_examples=60, deadline=None)
+@given(rate=st.floats(0.0, 1e5), held=st.floats(0.0, 1.0))
+def test_a_sample_never_lowers_and_never_raises_past_its_bound(rate, held):
+    _free, results = paced(Resampler(), rate_in_sample=rate, held_share=held, until=23.0)
+    for _t, res in results:
+        assert 1.0 <= res.gain <= resample.RAISE_MAX
+        assert res.raised == (res.free_rate >= res.full_rate * (1 + resample.RAISE_MIN))
+
+
+def test_the_controller_raises_a_budget_its_group_outran_and_holds_it_to_repay():
+    """A loop that learned its rate while its CPU ran slow, then runs twice
+    as fast: its budget held it at half its cap until a free sample."""
+    c, gs, a = controller({"a": 25}), groups(a=1), Load(1)
+    t, _d = learn(c, gs, a, 100.0)
+    b = c.budgets[a.key]
+    learned = b.full_rate
+    held_since, resampled, counters, free_grants = None, [], collections.Counter(), 0
+    for n in range(int(14.0 / TICK)):
+        t += TICK
+        if held_since is None:
+            a.run(t, cost=2000, sync=n % 4 == 0)      # twice what it learned at
+        d = step(c, t, gs, [a], held={"a": held_since} if held_since is not None else {},
+                 util={DEV: 30.0})
+        resampled += events(d, "resampled")
+        counters.update(d.counters)
+        granted = d.grants[a.key].granted
+        free_grants += granted >= a.consumed + UNLIMITED // 2
+        if "a" in d.release:
+            held_since = None
+        if held_since is None and a.consumed >= granted:
+            held_since = t
+    (ev,) = resampled
+    assert ev["group"] == "a" and ev["device"] == DEV and ev["raised"]
+    assert abs(ev["gain"] - 2.0) < 0.1 and ev["full_rate"] == round(learned, 1)
+    assert counters["sm_corrections_free_sample"] == 1
+    assert abs(b.full_rate - 2 * learned) < 0.1 * learned
+    assert free_grants >= resample.SAMPLE_S / TICK - 1
+    # The sample's work is owed: the group was held right after it.
+    assert 0 < ev["owed_s"] <= resample.REPAY_MAX_S
