@@ -183,10 +183,10 @@ TYPES: tuple[EventType, ...] = (
                   if d["sm_correction"] == "runs_free" else "while the launch budget held it")
               + f": rate x{d['gain']:.3g} ({d['sm_correction']}, from {d['source']})"),
     EventType(K.THROTTLE, "resampled",
-              ("group", "device", "free_rate", "full_rate", "gain", "raised", "owed_s"),
+              ("group", "device", "free_rate", "full_rate", "gain", "owed_s"),
               lambda d: f"group {d['group']!r} device {d['device']}: ran free for a sample at "
-              f"{d['free_rate']:.3g} units/s against a learned {d['full_rate']:.3g}: " + (
-                  f"rate x{d['gain']:.3g} (free_sample)" if d["raised"] else "rate kept")
+              f"{d['free_rate']:.3g} units/s against a full rate of {d['full_rate']:.3g}: " + (
+                  f"rate x{d['gain']:.3g} (free_sample)" if d["gain"] != 1 else "rate kept")
               + f"; {d['owed_s']:.2f} s of its budget repays the sample"),
     EventType(K.THROTTLE, "mode", ("group", "device", "sm_mode"),
               lambda d: f"group {d['group']!r} device {d['device']}: paced by " + (

@@ -61,7 +61,7 @@ _COUNTERS = (
 _SM_LABELLED = (
     ("hami_bpf_sm_corrections", "sm_corrections_",
      "Launch-budget rates corrected against the device's utilization, by reason "
-     "(held_while_idle: the group was held while its device idled; under_cap: held a little under its cap; over_cap: held over its cap alone on its device; runs_free: over its cap alone and no longer held, its rate re-based on what it launched; turns_idle: groups taking turns left their device idle, and the turns ended; learn_idle: a group waited with nothing in flight while it learned its rate, and learning started over; free_sample: a group its budget held ran faster in a free sample than its learned rate, which was raised).", "reason"),
+     "(held_while_idle: the group was held while its device idled; under_cap: held a little under its cap; over_cap: held over its cap alone on its device; runs_free: over its cap alone and no longer held, its rate re-based on what it launched; turns_idle: groups taking turns left their device idle, and the turns ended; learn_idle: a group waited with nothing in flight while it learned its rate, and learning started over; free_sample: a free sample of a group its budget held found its rate faster than its budget's, or no longer as fast as an earlier sample's, and set it).", "reason"),
     ("hami_bpf_sm_mode_changes", "sm_mode_",
      "Capped groups moved between pacing by time at their synchronizes (duty) and "
      "the launch budget (budget).", "mode"),

@@ -673,10 +673,10 @@ class SmController:
         if res is not None:
             owed_s = resample.settle(b, res, consumed)
             self.resample.quiet(key, now + owed_s + guard.WINDOW_S)
-            self._counts["sm_corrections_free_sample"] += res.raised
+            self._counts["sm_corrections_free_sample"] += res.changed
             self._record("throttle", "resampled", group=group, device=key[1],
                          free_rate=round(res.free_rate, 1), full_rate=round(res.full_rate, 1),
-                         gain=round(res.gain, 4), raised=res.raised, owed_s=round(owed_s, 3))
+                         gain=round(res.gain, 4), owed_s=round(owed_s, 3))
         if not self.resample.guarded(key, now):
             self.guard.restart(key)     # a sample and its repaying: not the budget's price
         if obs.util is None or not self.resample.guarded(key, now):

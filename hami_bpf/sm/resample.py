@@ -10,10 +10,14 @@ device is exactly as busy as that rate says.
 
 So a group its budget holds (at least MIN_HELD of the time since its last
 sample), alone on its device, runs free every SAMPLE_EVERY_S for SAMPLE_S.
-Its launch rate over the last MEASURE_S of that, where it is RAISE_MIN or
-more above the learned full rate, raises the full rate (by at most
-RAISE_MAX a sample). A sample never lowers it: a slow sample is the loop's
-slow second, and the guard lowers a rate that runs its group over its cap.
+Its launch rate over the last MEASURE_S of that sets its full rate where
+it differs from the current one by DEADBAND or more, but never under the
+rate its budget holds without the samples (learned, and as the guard
+corrected it), and never over GAIN_MAX times that: a sample may undo an
+earlier sample's raise once the loop slowed again, and the guard alone
+lowers a rate under what was learned (a launch-bound group keeps its
+device too idle for the guard to see it over its cap, so raises that only
+ever added up would carry it over on the noise of its own speed).
 The sample's own work is then repaid by the budget (nothing more is granted
 until its credit catches up), at most REPAY_MAX_S of its rate: beyond that
 it is forgiven, and the group runs over its cap for a moment rather than
@@ -30,8 +34,8 @@ SAMPLE_EVERY_S = 10.0  # paced this long between samples
 SAMPLE_S = 1.0         # run free this long
 MEASURE_S = 0.5        # ... its launch rate taken over the last this-long of it
 MIN_HELD = 0.1         # held this part of the time since the last sample: the budget binds
-RAISE_MIN = 0.1        # a free rate this much above the full rate raises it
-RAISE_MAX = 4.0        # ... by at most this factor a sample
+DEADBAND = 0.1         # a free rate this far from the full rate (a share of it) sets it
+GAIN_MAX = 4.0         # ... at most this many times the rate without the samples
 REPAY_MAX_S = 3.0      # a sample's work repaid up to this many seconds of its rate
 
 Key = tuple[int, int]
@@ -39,15 +43,15 @@ Key = tuple[int, int]
 
 @dataclass(frozen=True)
 class Result:
-    """A finished sample: the launch rate it measured and the gain applied
-    to the full rate (1.0: none)."""
+    """A finished sample: the launch rate it measured, the full rate it
+    found and the gain it applies to that (1.0: none)."""
     free_rate: float
     full_rate: float
     gain: float
 
     @property
-    def raised(self) -> bool:
-        return self.gain > 1.0
+    def changed(self) -> bool:
+        return self.gain != 1.0
 
 
 @dataclass
@@ -58,6 +62,7 @@ class _Key:
     free_from: float | None = None  # sampling since
     mark: tuple[float, int] | None = None   # (time, consumed) where the measure starts
     quiet_until: float = 0.0        # its sample's work repaid by then
+    applied: float = 1.0            # the samples' gains on its full rate, in all
 
 
 class Resampler:
@@ -127,7 +132,11 @@ class Resampler:
         if now - t0 <= 0 or consumed <= c0:
             return False, Result(0.0, full_rate, 1.0)
         free = (consumed - c0) / (now - t0)
-        gain = min(free / full_rate, RAISE_MAX) if free >= full_rate * (1 + RAISE_MIN) else 1.0
+        want = free / (full_rate / k.applied)     # against the rate without the samples
+        if abs(want - k.applied) < DEADBAND * k.applied:
+            return False, Result(free, full_rate, 1.0)
+        applied = min(max(want, 1.0), GAIN_MAX)
+        gain, k.applied = applied / k.applied, applied
         return False, Result(free, full_rate, gain)
 
     @staticmethod
@@ -136,10 +145,10 @@ class Resampler:
 
 
 def settle(b: Budget, res: Result, consumed: int) -> float:
-    """A finished sample's effect on its budget: the full rate raised where it
-    ran faster, and what it launched beyond its credit owed (REPAY_MAX_S of
-    its rate at most, the rest forgiven). Returns the seconds owed."""
-    if res.raised:
+    """A finished sample's effect on its budget: the full rate set as the
+    sample found it, and what it launched beyond its credit owed (REPAY_MAX_S
+    of its rate at most, the rest forgiven). Returns the seconds owed."""
+    if res.changed:
         correct_rate(b, res.gain)
     rate = b.rate or MIN_RATE
     credit = b.credit if b.credit is not None else float(b.granted)

@@ -1,5 +1,5 @@
 """A budget-paced group's full rate checked in free samples (sm.resample):
-raised where the group runs faster than it learned, never lowered, the
+raised where the group runs faster than it learned, never under that, the
 sample repaid; and the controller carrying it out."""
 from __future__ import annotations
 
@@ -17,22 +17,26 @@ KEY = (1, 0)
 TICK = 0.05
 
 
-def paced(r: Resampler, *, rate_in_sample: float, full_rate: float = 1000.0,
+def paced(r: Resampler, *, rate_in_sample, full_rate: float = 1000.0,
           held_share: float = 0.5, alone=lambda t: True, until: float = 30.0):
     """Tick a group held `held_share` of each second that launches at
-    `rate_in_sample` whenever it runs free; (ticks run free, results)."""
+    `rate_in_sample` (units/s, or a function of the time) whenever it runs
+    free, its full rate changed by each sample's gain; (ticks run free,
+    results)."""
     t, consumed, free_ticks, results = 0.0, 0, 0, []
     free = False
+    speed = rate_in_sample if callable(rate_in_sample) else (lambda _t: rate_in_sample)
     while t < until:
         t = round(t + TICK, 6)
         if free:
-            consumed += int(rate_in_sample * TICK)
+            consumed += int(speed(t) * TICK)
         held = not free and (t % 1.0) < held_share
         free, res = r.step(KEY, now=t, consumed=consumed, held=held, alone=alone(t),
                            full_rate=full_rate)
         free_ticks += free
         if res is not None:
             results.append((t, res))
+            full_rate *= res.gain
     return free_ticks, results
 
 
@@ -48,17 +52,31 @@ def test_a_group_its_budget_holds_runs_free_for_a_sample_every_so_often():
 def test_a_sample_faster_than_the_learned_rate_raises_it_by_that_much():
     _free, results = paced(Resampler(), rate_in_sample=2000.0, until=12.0)
     (_t, res), = results
-    assert res.raised and abs(res.gain - 2.0) < 0.05
+    assert res.changed and abs(res.gain - 2.0) < 0.05
     assert abs(res.free_rate - 2000.0) < 100.0 and res.full_rate == 1000.0
 
 
-def test_a_sample_never_lowers_the_rate_and_raises_by_a_bounded_factor():
+def test_a_sample_never_takes_the_rate_under_the_budgets_and_raises_it_a_bounded_factor():
     _free, results = paced(Resampler(), rate_in_sample=300.0, until=12.0)
     assert [res.gain for _t, res in results] == [1.0]
     _free, results = paced(Resampler(), rate_in_sample=1050.0, until=12.0)
-    assert [res.raised for _t, res in results] == [False]    # within RAISE_MIN: kept
+    assert [res.changed for _t, res in results] == [False]    # within DEADBAND: kept
     _free, results = paced(Resampler(), rate_in_sample=50_000.0, until=12.0)
-    assert [res.gain for _t, res in results] == [resample.RAISE_MAX]
+    assert [res.gain for _t, res in results] == [resample.GAIN_MAX]
+
+
+def test_a_loop_that_slows_again_has_a_samples_raise_undone_down_to_its_budgets_rate():
+    # Twice as fast for its first sample, then back at its learned speed, then
+    # slower still: raised x2, back to x1, and there it stays.
+    _free, results = paced(Resampler(), until=34.0,
+                           rate_in_sample=lambda t: 2000.0 if t < 12 else (1000.0 if t < 23
+                                                                          else 400.0))
+    gains = [round(res.gain, 2) for _t, res in results]
+    assert gains == [2.0, 0.5, 1.0]
+    # A reading within DEADBAND of the raised rate keeps it.
+    _free, results = paced(Resampler(), until=23.0,
+                           rate_in_sample=lambda t: 2000.0 if t < 12 else 1900.0)
+    assert [round(res.gain, 2) for _t, res in results] == [2.0, 1.0]
 
 
 def test_no_sample_where_the_budget_barely_holds_or_beside_another_group():
@@ -93,12 +111,20 @@ def test_a_settled_sample_is_repaid_by_its_budget_up_to_a_bound():
 
 
 @settings(max_examples=60, deadline=None)
-@given(rate=st.floats(0.0, 1e5), held=st.floats(0.0, 1.0))
-def test_a_sample_never_lowers_and_never_raises_past_its_bound(rate, held):
-    _free, results = paced(Resampler(), rate_in_sample=rate, held_share=held, until=23.0)
+@given(rates=st.lists(st.floats(0.0, 1e5), min_size=1, max_size=6), held=st.floats(0.0, 1.0))
+def test_samples_keep_the_rate_between_the_budgets_and_a_bounded_multiple(rates, held):
+    """Whatever the loop's speed from one sample to the next, the full rate
+    the samples leave is never under the budget's own (1000) nor over
+    GAIN_MAX times it, and a sample that changes it sets it to what it saw
+    (within those bounds)."""
+    _free, results = paced(Resampler(), held_share=held, until=11.0 * len(rates) + 1,
+                           rate_in_sample=lambda t: rates[min(int(t // 11), len(rates) - 1)])
+    full = 1000.0
     for _t, res in results:
-        assert 1.0 <= res.gain <= resample.RAISE_MAX
-        assert res.raised == (res.free_rate >= res.full_rate * (1 + resample.RAISE_MIN))
+        full *= res.gain
+        assert 1000.0 - 1e-6 <= full <= 1000.0 * resample.GAIN_MAX + 1e-6
+        if res.changed:
+            assert abs(full - min(max(res.free_rate, 1000.0), 4000.0)) <= 1e-6 * full
 
 
 def test_the_controller_raises_a_budget_its_group_outran_and_holds_it_to_repay():
@@ -124,7 +150,7 @@ def test_the_controller_raises_a_budget_its_group_outran_and_holds_it_to_repay()
         if held_since is None and a.consumed >= granted:
             held_since = t
     (ev,) = resampled
-    assert ev["group"] == "a" and ev["device"] == DEV and ev["raised"]
+    assert ev["group"] == "a" and ev["device"] == DEV
     assert abs(ev["gain"] - 2.0) < 0.1 and ev["full_rate"] == round(learned, 1)
     assert counters["sm_corrections_free_sample"] == 1
     assert abs(b.full_rate - 2 * learned) < 0.1 * learned
