@@ -135,12 +135,17 @@ def test_the_controller_raises_a_budget_its_group_outran_and_holds_it_to_repay()
     b = c.budgets[a.key]
     learned = b.full_rate
     held_since, resampled, counters, free_grants = None, [], collections.Counter(), 0
-    for n in range(int(14.0 / TICK)):
+    start, mark, held_at, sampled_at = t, None, [], None
+    for n in range(int(19.0 / TICK)):
         t += TICK
+        if mark is None and t - start >= 15.0:
+            mark = (t, a.consumed)
         if held_since is None:
             a.run(t, cost=2000, sync=n % 4 == 0)      # twice what it learned at
         d = step(c, t, gs, [a], held={"a": held_since} if held_since is not None else {},
                  util={DEV: 30.0})
+        if events(d, "resampled"):
+            sampled_at = t
         resampled += events(d, "resampled")
         counters.update(d.counters)
         granted = d.grants[a.key].granted
@@ -149,6 +154,7 @@ def test_the_controller_raises_a_budget_its_group_outran_and_holds_it_to_repay()
             held_since = None
         if held_since is None and a.consumed >= granted:
             held_since = t
+        held_at.append((t, held_since is not None))
     (ev,) = resampled
     assert ev["group"] == "a" and ev["device"] == DEV
     assert abs(ev["gain"] - 2.0) < 0.1 and ev["full_rate"] == round(learned, 1)
@@ -157,3 +163,8 @@ def test_the_controller_raises_a_budget_its_group_outran_and_holds_it_to_repay()
     assert free_grants >= resample.SAMPLE_S / TICK - 1
     # The sample's work is owed: the group was held right after it.
     assert 0 < ev["owed_s"] <= resample.REPAY_MAX_S
+    repaying = [h for tt, h in held_at if sampled_at < tt <= sampled_at + ev["owed_s"]]
+    assert sum(repaying) >= 0.8 * len(repaying), repaying
+    # Repaid, it does its cap's share of what it now runs at (2 x learned).
+    done = (a.consumed - mark[1]) / (t - mark[0])
+    assert abs(done - 0.25 * 2 * learned) <= 0.1 * 0.25 * 2 * learned, (done, learned)
