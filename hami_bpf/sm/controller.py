@@ -603,11 +603,11 @@ class SmController:
                     self._record("throttle", "learn_restarted", group=group, device=dev,
                                  sm_correction="learn_idle", idle_s=LEARN_IDLE_S)
                 if was_learning and not b.learning:
+                    self.resample.forget(key)       # a fresh rate: no sample's gain on it
                     self._record("throttle", "learned", group=group, device=dev, cap=cap,
-                                 full_rate=b.full_rate, pace=b.pace,
-                                 work_per_unit=b.work_per_unit, contended=b.contended,
-                                 launcher_bound=b.launcher_bound, probe_share=b.probe_share,
-                                 by_completion=b.by_completion,
+                                 full_rate=b.full_rate, pace=b.pace, contended=b.contended,
+                                 work_per_unit=b.work_per_unit, launcher_bound=b.launcher_bound,
+                                 probe_share=b.probe_share, by_completion=b.by_completion,
                                  # launched, not known done: runs at the GPU's
                                  # full pace whatever the grant (checkpoints)
                                  queued=consumed - (completed or 0))
