@@ -122,10 +122,8 @@ class Guard:
         self._free: set[tuple[int, int]] = set()    # the last window barely held the group
 
     def forget(self, key: tuple[int, int]) -> None:
-        self._w.pop(key, None)
+        self.restart(key)
         self._ref.pop(key, None)
-        self._streak.pop(key, None)
-        self._free.discard(key)
 
     def restart(self, key: tuple[int, int]) -> None:
         """Drop the window being filled (its reference stays): what it saw
