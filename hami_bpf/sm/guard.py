@@ -9,8 +9,14 @@ WINDOW_S the guard compares the device's utilization (NVML, the mean of the
 readings in the window) with what the cap allows the group, and scales the
 group's rate. What the cap allows (its target) is cap% of what the group
 kept the device busy while it ran free (its reference, read while its budget
-learned; 100% where none was read): a loop that left the GPU idle a third of
-the time uncapped does its cap's share of work at a third less utilization.
+learned): a loop that left the GPU idle a third of the time uncapped does its
+cap's share of work at a third less utilization. Where none was read (its
+budget learned in less than REF_LAG_S: NVML had not caught up), the window's
+own running utilization stands in: u / (1 - h) at u% busy while held h of
+the window, at most 100. A launch-bound loop runs at its free speed between
+holds, so that is what it used running free; taking the whole device as its
+reference instead reads such a loop, paced right, as starved, and raises it
+until it runs free.
 Against that target, for a group the budget held in the window:
 
 - utilization under target - IDLE_PTS (idle_pts()): the rate was far too
@@ -150,10 +156,11 @@ class Guard:
         if util is not None and now - first >= REF_LAG_S:
             self._ref[key] = (first, total + util, n + 1)
 
-    def target(self, key: tuple[int, int], cap: float) -> float:
-        """Utilization the cap allows the group: cap% of its reference."""
+    def target(self, key: tuple[int, int], cap: float, running: float = 100.0) -> float:
+        """Utilization the cap allows the group: cap% of its reference, or
+        where none was read, of `running` (what it used between holds)."""
         _first, total, n = self._ref.get(key, (0.0, 0.0, 0))
-        ref = total / n if n >= MIN_READINGS else 100.0
+        ref = total / n if n >= MIN_READINGS else running
         return cap * min(max(ref, MIN_REF), 100.0) / 100.0
 
     def observe(self, key: tuple[int, int], *, now: float, cap: float, held: bool,
@@ -188,7 +195,7 @@ class Guard:
         if w.readings < MIN_READINGS:
             return None
         u = w.util_sum / w.readings
-        t = self.target(key, cap)
+        t = self.target(key, cap, _running(u, w.held_s / span))
         if free:
             if not (was_free and u > cap + TRIM_PTS and not w.shared and not w.first):
                 return None
@@ -214,6 +221,12 @@ class Guard:
         if u > cap + TRIM_PTS and not w.shared and not w.first:
             return Correction(Reason.OVER_CAP, max(cap / u, 1 / LOWER_MAX), u, t, cap, source)
         return None
+
+
+def _running(u: float, held: float) -> float:
+    """Utilization while running of a group `u`% busy, held `held` of the
+    time (NVML's second of lag aside): at most the whole device."""
+    return 100.0 if held >= 1.0 - u / 100.0 else u / (1.0 - held)
 
 
 def _rebase(w: _Window, span: float, u: float, t: float, cap: float, source: Source,

@@ -83,6 +83,45 @@ def test_a_reference_from_a_quiet_warm_up_never_lowers_a_group_under_its_cap():
         assert c is None or c.gain >= 1.0, c
 
 
+def run_paced(g: Guard, *, cap: float, held: float, util: float, windows: int = 1,
+              key=(1, 0)) -> list:
+    """`windows` windows of a group held `held` of its ticks (spread evenly)
+    at `util`% busy: the corrections, in order."""
+    out, t, i = [], 0.0, 0
+    while t <= windows * guard.WINDOW_S + 0.051:
+        on = math.floor((i + 1) * held + 1e-9) > math.floor(i * held + 1e-9)
+        c = g.observe(key, now=t, cap=cap, held=on, util=util, shared=False)
+        out += [c] if c else []
+        t, i = t + 0.05, i + 1
+    return out
+
+
+def test_with_no_reference_a_launch_bound_loop_is_judged_by_what_it_used_running():
+    # Its budget learned in 0.9 s, before NVML caught up: no reference. A
+    # loop 55% busy running free, paced to half its speed at cap 50, reads
+    # 27% busy held half the time: paced right, not starved (the whole
+    # device as its reference raised it x2 then x5, and it ran free).
+    assert run_paced(Guard(), cap=50, held=0.5, util=27.5, windows=3) == []
+    # Paced to 30% of its speed, it is raised toward its cap, not past it.
+    c, = run_paced(Guard(), cap=50, held=0.7, util=16.5)
+    assert c.gain > 1.0 and math.isclose(c.target, 27.5)
+    assert 0.3 * c.gain <= 0.5 + 1e-9
+    # Held the whole window with the device idle: raised by a lot, as ever.
+    c, = run_paced(Guard(), cap=50, held=1.0, util=1.0)
+    assert c.reason is Reason.HELD_WHILE_IDLE and c.gain == guard.FAST_MAX
+
+
+@given(cap=st.floats(10, 90), free=st.floats(guard.MIN_REF, 100), speed=st.floats(0.02, 1.0))
+def test_a_launch_bound_loop_with_no_reference_is_raised_only_under_its_cap(cap, free, speed):
+    # It runs at its free speed between holds: `speed` of it, `free`% busy
+    # running. Never raised at or over its cap; raised well under it.
+    out = run_paced(Guard(), cap=cap, held=1.0 - speed, util=free * speed, windows=2)
+    if speed >= cap / 100:
+        assert all(c.gain <= 1.0 for c in out)
+    elif speed < cap / 100 - (guard.IDLE_PTS + 1) / free:
+        assert out and all(c.gain > 1.0 for c in out)
+
+
 def test_no_readings_no_correction():
     assert run_window(Guard(), cap=50, util=None) is None
 
