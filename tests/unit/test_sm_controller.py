@@ -169,6 +169,32 @@ def test_without_a_reading_the_guard_corrects_nothing():
         assert not events(d, "corrected")
 
 
+def test_a_launch_bound_group_paced_right_is_not_raised_when_no_reference_was_read():
+    """Its budget learned before NVML read anything of it (no reference). It
+    runs at the rate it learned, its process 55% busy while running (per-
+    process utilization): held half the time at cap 50, it is where its cap
+    puts it, and the guard leaves it there."""
+    c, gs, a = controller({"a": 50}), groups(a=1), Load(1)
+    t, _d = learn(c, gs, a, 100.0)
+    learned = c.budgets[a.key].full_rate
+    held_since, corrected, start, begun = None, [], t, a.consumed
+    for n in range(int(9.0 / 0.05)):
+        t += 0.05
+        if held_since is None:
+            a.run(t, sync=n % 4 == 0)
+        d = step(c, t, gs, [a], held={"a": held_since} if held_since is not None else {},
+                 util={DEV: 60.0},
+                 process_util={DEV: {100: 0.0 if held_since is not None else 55.0}})
+        corrected += events(d, "corrected")
+        if "a" in d.release:
+            held_since = None
+        if held_since is None and a.consumed >= d.grants[a.key].granted:
+            held_since = t
+    assert corrected == []
+    done = (a.consumed - begun) / (t - start)
+    assert abs(done - 0.5 * learned) <= 0.1 * 0.5 * learned, (done, learned)
+
+
 def alone_pair() -> tuple[SmController, dict, Load, Load, float]:
     """Groups a and b capped on one device, both launching from the start."""
     cfg = dataclasses.replace(PLAIN, learn_alone=True)
