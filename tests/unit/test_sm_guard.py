@@ -99,8 +99,7 @@ def run_paced(g: Guard, *, cap: float, held: float, util: float, windows: int = 
 def test_with_no_reference_a_launch_bound_loop_is_judged_by_what_it_used_running():
     # Its budget learned in 0.9 s, before NVML caught up: no reference. A
     # loop 55% busy running free, paced to half its speed at cap 50, reads
-    # 27% busy held half the time: paced right, not starved (the whole
-    # device as its reference raised it x2 then x5, and it ran free).
+    # 27% busy held half the time: paced right, not starved.
     assert run_paced(Guard(), cap=50, held=0.5, util=27.5, windows=3) == []
     # Paced to 30% of its speed, it is raised toward its cap, not past it.
     c, = run_paced(Guard(), cap=50, held=0.7, util=16.5)
