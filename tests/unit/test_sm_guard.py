@@ -9,15 +9,24 @@ from hami_bpf.sm import guard
 from hami_bpf.sm.guard import Guard, Reason
 
 
-def run_window(g: Guard, *, cap: float, util: float, held: bool = True, shared: bool = False,
-               start: float = 0.0, key=(1, 0)):
+def run_window(g: Guard, *, cap: float, util: float | None, held: bool = True,
+               shared: bool = False, start: float = 0.0, key=(1, 0)):
     """Tick a window's worth (50 ms ticks); the correction at its end."""
-    out = None
-    t = start
-    while t <= start + guard.WINDOW_S + 0.051:
-        c = g.observe(key, now=t, cap=cap, held=held, util=util, shared=shared)
-        out = c or out
-        t += 0.05
+    out = run_paced(g, cap=cap, held=1.0 if held else 0.0, util=util, shared=shared,
+                    start=start, key=key)
+    return out[-1] if out else None
+
+
+def run_paced(g: Guard, *, cap: float, held: float, util: float | None, windows: int = 1,
+              shared: bool = False, start: float = 0.0, key=(1, 0)) -> list:
+    """`windows` windows (50 ms ticks) of a group held `held` of its ticks
+    (spread evenly) at `util`% busy: the corrections, in order."""
+    out, t, i = [], start, 0
+    while t <= start + windows * guard.WINDOW_S + 0.051:
+        on = math.floor((i + 1) * held + 1e-9) > math.floor(i * held + 1e-9)
+        c = g.observe(key, now=t, cap=cap, held=on, util=util, shared=shared)
+        out += [c] if c else []
+        t, i = t + 0.05, i + 1
     return out
 
 
@@ -81,19 +90,6 @@ def test_a_reference_from_a_quiet_warm_up_never_lowers_a_group_under_its_cap():
     for k in range(20):
         c = run_window(g, cap=50, util=18.0, start=k * (guard.WINDOW_S + 0.1))
         assert c is None or c.gain >= 1.0, c
-
-
-def run_paced(g: Guard, *, cap: float, held: float, util: float, windows: int = 1,
-              key=(1, 0)) -> list:
-    """`windows` windows of a group held `held` of its ticks (spread evenly)
-    at `util`% busy: the corrections, in order."""
-    out, t, i = [], 0.0, 0
-    while t <= windows * guard.WINDOW_S + 0.051:
-        on = math.floor((i + 1) * held + 1e-9) > math.floor(i * held + 1e-9)
-        c = g.observe(key, now=t, cap=cap, held=on, util=util, shared=False)
-        out += [c] if c else []
-        t, i = t + 0.05, i + 1
-    return out
 
 
 def test_with_no_reference_a_launch_bound_loop_is_judged_by_what_it_used_running():
