@@ -21,6 +21,16 @@ def test_no_module_is_over_the_limit():
     assert big == {}, big
 
 
+def test_test_modules_have_unique_names():
+    # pytest imports test modules by their bare names (the tests import
+    # each other's helpers so): two of one name stop `make test`, which
+    # collects every directory at once, at collection.
+    names: dict[str, list[str]] = {}
+    for p in sorted((ROOT / "tests").rglob("test_*.py")):
+        names.setdefault(p.name, []).append(str(p.relative_to(ROOT)))
+    assert {n: ps for n, ps in names.items() if len(ps) > 1} == {}
+
+
 def test_only_procfs_names_proc_paths():
     pattern = re.compile(r'''["']/proc/|f["']/proc|open\(["']/proc''')
     hits = [f"{p.relative_to(ROOT)}: {line.strip()}" for p in sorted(PKG.rglob("*.py"))
