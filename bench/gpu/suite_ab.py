@@ -19,7 +19,11 @@ Prints one JSON line per capped stretch and a markdown table at the end:
 where "cpu" (and "cpu_free", for the free stretches either side) says how
 the workload's busiest thread used its CPU per second it ran, and what the
 daemon used (cpu_use): a loop that runs slower when held either waits for a
-CPU then, or does less on one.
+CPU then, or does less on one. "gpu" (and "gpu_free") says the device's SM
+clock, its utilization and the clock event reasons seen (gpu_use): a loop
+that runs slower per second it runs while its device clocks down between
+holds is slowed by its GPU, not its host. "free_series": the per-second
+rates of the free stretches either side (how soon a loop is itself again).
 """
 from __future__ import annotations
 
@@ -106,6 +110,47 @@ def cpu_use(cpu: list, start: float, end: float, held: float | None) -> dict | N
             "preempted_per_s": round(inv / ran_s, 1),
             "daemon_cpu": round(daemon / 1e9 / (t1 - t0), 3),
             "daemon_same_cpu": round(same / len(inside), 3)}
+
+
+class Gpu:
+    """Device 0's SM clock (MHz), utilization (%) and clock event reasons
+    (a bit mask), read through NVML; None where NVML cannot say."""
+
+    def __init__(self) -> None:
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+            self.nvml, self.h = pynvml, pynvml.nvmlDeviceGetHandleByIndex(0)
+        except Exception:  # noqa: BLE001 - a bench reading; missing is shown as null
+            self.nvml = self.h = None
+
+    def read(self) -> tuple | None:
+        if self.h is None:
+            return None
+        n = self.nvml
+        try:
+            reasons = (n.nvmlDeviceGetCurrentClocksEventReasons if hasattr(
+                n, "nvmlDeviceGetCurrentClocksEventReasons")
+                else n.nvmlDeviceGetCurrentClocksThrottleReasons)(self.h)
+            return (n.nvmlDeviceGetClockInfo(self.h, n.NVML_CLOCK_SM),
+                    n.nvmlDeviceGetUtilizationRates(self.h).gpu, int(reasons))
+        except Exception:  # noqa: BLE001
+            return None
+
+
+def gpu_use(gpu: list, start: float, end: float) -> dict | None:
+    """Over [start, end] from `gpu` samples (t, Gpu.read()): the mean and
+    lowest SM clock, the mean utilization, and every clock event reason seen."""
+    inside = [g for t, g in gpu if start <= t <= end and g is not None]
+    if not inside:
+        return None
+    reasons = 0
+    for _mhz, _u, r in inside:
+        reasons |= r
+    return {"sm_mhz": round(sum(g[0] for g in inside) / len(inside)),
+            "sm_mhz_min": min(g[0] for g in inside),
+            "util": round(sum(g[1] for g in inside) / len(inside), 1),
+            "reasons": hex(reasons)}
 
 
 def write_policy(path: str, caps: dict) -> None:
@@ -231,6 +276,8 @@ def run_one(a, w: str) -> list[dict]:
     lines: list = []
     samples: list = []
     cpu: list = []
+    gpu: list = []
+    dev = Gpu()
     next_sample = 0.0
     edges: list[tuple[float, int | None]] = []
     deadline = time.monotonic() + a.setup_limit
@@ -259,6 +306,7 @@ def run_one(a, w: str) -> list[dict]:
             if started is not None and now >= next_sample:
                 samples.append((now, held_ms()))
                 cpu.append((now, threads(p.pid), threads(a.daemon_pid)))
+                gpu.append((now, dev.read()))
                 next_sample = now + 0.25
             if started is None and now > deadline:
                 print(json.dumps({"w": w, "error": "no timed loop before the set-up limit"}))
@@ -295,7 +343,10 @@ def run_one(a, w: str) -> list[dict]:
         held = held_share(samples, s + a.settle, e)
         r = {"w": w, **stretch(lines, s, e, cap, before, after, a.settle),
              "held": held, "cpu": cpu_use(cpu, s + a.settle, e, held),
-             "cpu_free": [cpu_use(cpu, a0, b0, 0.0) for a0, b0 in free]}
+             "cpu_free": [cpu_use(cpu, a0, b0, 0.0) for a0, b0 in free],
+             "gpu": gpu_use(gpu, s + a.settle, e),
+             "gpu_free": [gpu_use(gpu, a0, b0) for a0, b0 in free],
+             "free_series": [mean_rate(lines, a0 - 1.0, b0)[1] for a0, b0 in free]}
         print(json.dumps(r), flush=True)
         out.append(r)
     return out
