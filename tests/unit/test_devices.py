@@ -1,10 +1,13 @@
-"""Devices: each process's device memory, from the stand-in driver's table."""
+"""Devices: each process's device memory, from the stand-in driver's table; NVML's
+per-process utilization, read at most once per period."""
 import os
 import struct
+import sys
+from types import SimpleNamespace
 
 import pytest
 
-from hami_bpf.devices import Devices, Fallback
+from hami_bpf.devices import PROCESS_UTIL_READ_S, Devices, Fallback
 from hami_bpf.fakecuda.sim import PM_DEVS, PM_SLOTS
 
 SLOT = struct.Struct(f"<II{PM_DEVS}Q")
@@ -29,3 +32,68 @@ def test_the_stand_in_table_gives_each_live_process_its_memory(tmp_path):
     assert d.process_memory(0) == {os.getpid(): 5 << 20}
     assert d.process_memory(1) == {}          # nothing held there
     assert d.process_memory(2) == {os.getpid(): 7}
+
+
+class FakeNvml:
+    """pynvml's per-process utilization, counting the calls."""
+
+    class NVMLError(Exception):
+        def __init__(self, value):
+            super().__init__(value)
+            self.value = value
+
+    NVML_ERROR_NOT_FOUND = 6
+    NVML_ERROR_NOT_SUPPORTED = 3
+
+    def __init__(self, util=None, error=None):
+        self.calls, self.util, self.error = 0, util or {}, error
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return i
+
+    def nvmlDeviceGetProcessUtilization(self, handle, since):
+        self.calls += 1
+        if self.error is not None:
+            raise self.NVMLError(self.error)
+        return [SimpleNamespace(pid=pid, smUtil=u) for pid, u in self.util.items()]
+
+
+def nvml_devices(monkeypatch, fake):
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    now = [100.0]
+    d = Devices(2, False, nvml=True, clock=lambda: now[0])
+    return d, now
+
+
+def test_per_process_utilization_is_read_at_most_once_per_period_per_device(monkeypatch):
+    fake = FakeNvml({41: 30.0, 42: 12.0})
+    d, now = nvml_devices(monkeypatch, fake)
+    assert d.process_utilization(0) == {41: 30.0, 42: 12.0}
+    for _ in range(20):                 # a controller ticking at 200 Hz
+        now[0] += 0.005
+        assert d.process_utilization(0) == {41: 30.0, 42: 12.0}
+    assert fake.calls == 1
+    d.process_utilization(1)            # another device: its own reading
+    assert fake.calls == 2
+    fake.util = {41: 55.0}
+    now[0] += 1.5 * PROCESS_UTIL_READ_S
+    assert d.process_utilization(0) == {41: 55.0}
+    assert fake.calls == 3
+
+
+def test_an_idle_device_reads_none_and_is_asked_again_later(monkeypatch):
+    fake = FakeNvml(error=FakeNvml.NVML_ERROR_NOT_FOUND)
+    d, now = nvml_devices(monkeypatch, fake)
+    assert d.process_utilization(0) is None
+    now[0] += 1.5 * PROCESS_UTIL_READ_S
+    fake.error, fake.util = None, {7: 20.0}
+    assert d.process_utilization(0) == {7: 20.0}
+
+
+def test_a_host_without_per_process_utilization_is_asked_once(monkeypatch):
+    fake = FakeNvml(error=FakeNvml.NVML_ERROR_NOT_SUPPORTED)
+    d, now = nvml_devices(monkeypatch, fake)
+    for _ in range(5):
+        assert d.process_utilization(0) is None
+        now[0] += 1.0
+    assert fake.calls == 1
