@@ -16,7 +16,6 @@ import sys
 import time
 
 from . import abi, containers, enforce, kept, signals
-from .devices import Devices, Fallback
 from .counters import Counters
 from .eventlog import EventLog
 from .grouplimits import DEFAULT_CONTEXT_BYTES, GroupLimits
@@ -133,8 +132,7 @@ class Daemon:
         s.lock_libs(self.watch.libs)
         self.policy.load()
         feats, self.oom_action, reg_write, pwu = s.features()
-        self.devices = Devices.discover(self.simulated, Fallback(
-            cfg.fallback_devices, cfg.fallback_total_mem, cfg.sim_gpu, cfg.sim_proc_mem))
+        self.devices = s.discover_devices(self.simulated)
         self.limits.ctx_bytes = cfg.context_bytes if cfg.context_bytes is not None else (
             0 if self.simulated or not self.devices.nvml else DEFAULT_CONTEXT_BYTES)
         self.mechanisms["context_reserve"] = f"{self.limits.ctx_bytes} bytes per process per device"

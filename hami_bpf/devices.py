@@ -21,6 +21,18 @@ log = logging.getLogger("hami_bpf")
 PROCESS_UTIL_READ_S = 0.1
 
 
+def process_utilization_support(pynvml, handle) -> str | None:
+    """None where NVML reports per-process utilization on this device (a
+    sample, or none yet: NVML_ERROR_NOT_FOUND), else why it does not (virtual
+    machines: the driver lists no processes)."""
+    try:
+        pynvml.nvmlDeviceGetProcessUtilization(handle, int((time.time() - 1.0) * 1e6))
+    except Exception as e:  # noqa: BLE001 - any refusal means "not reported"
+        if getattr(e, "value", None) != getattr(pynvml, "NVML_ERROR_NOT_FOUND", -1):
+            return str(e) or type(e).__name__
+    return None
+
+
 @dataclass(frozen=True)
 class Fallback:
     """What to assume where NVML does not answer."""
@@ -99,6 +111,25 @@ class Devices:
         out = self._read_process_utilization(dev)
         self._proc_util[dev] = (now, out)
         return out
+
+    def utilization_source(self) -> str:
+        """What the SM guard reads of the devices' use (`mechanisms`), probed
+        now: each process's part where NVML reports it, else the device's."""
+        if self.sim is not None:
+            return "simulated device"
+        if not self.nvml:
+            return "none (no NVML)"
+        if self.count:
+            import pynvml
+            try:
+                why = process_utilization_support(pynvml, pynvml.nvmlDeviceGetHandleByIndex(0))
+            except Exception as e:  # noqa: BLE001 - the handle itself: not reported
+                why = str(e)
+            if why is None:
+                return "per process (NVML)"
+            self._no_proc_util = True
+            return f"device (NVML; no per-process utilization: {why})"
+        return "device (NVML)"
 
     def _read_process_utilization(self, dev: int) -> dict[int, float] | None:
         import pynvml

@@ -156,8 +156,19 @@ def check_nvml() -> dict[str, Any]:
             drv = drv.decode() if isinstance(drv, bytes) else drv
         except Exception:
             drv = "unknown"
-        return _check(True, {"devices": count, "driver": drv},
-                      f"{count} device(s), driver {drv}")
+        why = "no device"
+        if count:
+            from .devices import process_utilization_support
+            try:
+                why = process_utilization_support(pynvml, pynvml.nvmlDeviceGetHandleByIndex(0))
+            except Exception as e:
+                why = str(e)
+        per_process = why is None
+        reads = ("per-process utilization: the SM guard reads each group's own part"
+                 if per_process else
+                 f"no per-process utilization ({why}): the SM guard reads the device's")
+        return _check(True, {"devices": count, "driver": drv, "process_utilization": per_process},
+                      f"{count} device(s), driver {drv}; {reads}")
     except Exception as e:
         return _check(False, None, f"NVML query failed: {e}")
     finally:

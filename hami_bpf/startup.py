@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from . import __version__, abi, enforce, kept, procfs
+from .devices import Devices, Fallback
 from .events import UsageObserved
 from .libwatch import LockError, lock_file
 from .policyfile import DaemonError
@@ -110,6 +111,14 @@ class Startup:
             print(demo.SIMULATED_BANNER, file=sys.stderr, flush=True)
             return [Path(fake.libcuda)], fake
         return libs, None
+
+    def discover_devices(self, simulated: bool) -> Devices:
+        """The node's GPUs, and which utilization the SM guard reads of them."""
+        cfg = self.cfg
+        devices = Devices.discover(simulated, Fallback(
+            cfg.fallback_devices, cfg.fallback_total_mem, cfg.sim_gpu, cfg.sim_proc_mem))
+        self.mechanisms["sm_utilization"] = devices.utilization_source()
+        return devices
 
     def lock_libs(self, libs: list[Path]) -> None:
         """One controller per library: two would both stop, rewrite and resume

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from hami_bpf import doctor
 from hami_bpf.devices import PROCESS_UTIL_READ_S, Devices, Fallback
 from hami_bpf.fakecuda.sim import PM_DEVS, PM_SLOTS
 
@@ -50,6 +51,18 @@ class FakeNvml:
 
     def nvmlDeviceGetHandleByIndex(self, i):
         return i
+
+    def nvmlInit(self):
+        pass
+
+    def nvmlShutdown(self):
+        pass
+
+    def nvmlDeviceGetCount(self):
+        return 1
+
+    def nvmlSystemGetDriverVersion(self):
+        return "580.159.04"
 
     def nvmlDeviceGetProcessUtilization(self, handle, since):
         self.calls += 1
@@ -97,3 +110,35 @@ def test_a_host_without_per_process_utilization_is_asked_once(monkeypatch):
         assert d.process_utilization(0) is None
         now[0] += 1.0
     assert fake.calls == 1
+
+
+@pytest.mark.parametrize("error, per_process", [
+    (None, True),                                   # a sample
+    (FakeNvml.NVML_ERROR_NOT_FOUND, True),          # none yet: reported, idle
+    (FakeNvml.NVML_ERROR_NOT_SUPPORTED, False),     # a virtual machine's driver
+])
+def test_the_guards_utilization_source_is_probed_at_start(monkeypatch, error, per_process):
+    fake = FakeNvml({41: 30.0}, error=error)
+    d, _now = nvml_devices(monkeypatch, fake)
+    source = d.utilization_source()
+    assert source.startswith("per process" if per_process else "device")
+    calls = fake.calls
+    d.process_utilization(0)
+    # Where it is not reported, it is not asked again at every tick.
+    assert fake.calls == calls + (1 if per_process else 0)
+
+
+def test_the_utilization_source_without_nvml_or_with_the_simulated_gpu():
+    assert Devices(2, False).utilization_source().startswith("none")
+    assert Devices(2, True, sim=object()).utilization_source() == "simulated device"
+
+
+@pytest.mark.parametrize("error, per_process", [
+    (None, True), (FakeNvml.NVML_ERROR_NOT_SUPPORTED, False)])
+def test_doctor_says_whether_nvml_reports_per_process_utilization(monkeypatch, error,
+                                                                  per_process):
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml({41: 30.0}, error=error))
+    check = doctor.check_nvml()
+    assert check["ok"]
+    assert check["value"] == {"devices": 1, "driver": "580.159.04",
+                              "process_utilization": per_process}
