@@ -29,7 +29,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from suite_ab import markdown, mean_rate, reader  # noqa: E402 - sibling scripts, by path
+from suite_ab import markdown, mean_rate, reader, stop  # noqa: E402 - sibling scripts, by path
 from suite_run import workload_command  # noqa: E402
 
 # (name, rate in Hz): the daemon's tick reads at 100 Hz while it paces by
@@ -137,11 +137,7 @@ def run_one(a, w: str) -> list[dict]:
             t.join()
             done.append((start, time.monotonic(), poll, *box[0]))
     finally:
-        p.terminate()
-        try:
-            p.wait(20)
-        except subprocess.TimeoutExpired:
-            p.kill()
+        stop(p)
     out = []
     for i, (s, e, poll, call_us, calls) in enumerate(done):
         if poll is None:

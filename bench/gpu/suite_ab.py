@@ -212,6 +212,15 @@ def reader(p: subprocess.Popen, q: queue.Queue) -> None:
     q.put((time.monotonic(), None))
 
 
+def stop(p: subprocess.Popen) -> None:
+    """End a workload: SIGTERM, then SIGKILL after 20 s."""
+    p.terminate()
+    try:
+        p.wait(20)
+    except subprocess.TimeoutExpired:
+        p.kill()
+
+
 def mean_rate(lines: list, start: float, end: float, phase: str | None = None) -> tuple[float | None, list]:
     """Units per second over the workload's intervals that lie in [start, end]
     (only those of `phase`, where given)."""
@@ -323,11 +332,7 @@ def run_one(a, w: str) -> list[dict]:
             if started is not None and not edges and now > started + sum(lengths):
                 break
     finally:
-        p.terminate()
-        try:
-            p.wait(20)
-        except subprocess.TimeoutExpired:
-            p.kill()
+        stop(p)
         log.close()
         write_policy(a.policy, {group: None})
         os.kill(a.daemon_pid, signal.SIGHUP)
