@@ -15,10 +15,15 @@ from .snapshot import DeviceInfo
 log = logging.getLogger("hami_bpf")
 
 # NVML's per-process utilization costs about 2 ms a call (an H100, driver
-# 580; device utilization 16-29 µs) and covers the last second of samples:
-# read once per this long and kept, the controller's 100-200 Hz ticks get the
-# same numbers without spending a fifth of the daemon's loop inside NVML.
+# 580; device utilization 16-29 µs) and covers the last second of samples.
+# Read at most once per PROCESS_UTIL_READ_S per device and kept, the
+# controller's 100-200 Hz ticks get the same numbers without spending a
+# fifth of the daemon's loop inside NVML; and at most PROCESS_UTIL_READS_PER_S
+# times a second over all devices, the stalest first, so that a node of
+# eight capped GPUs spends no more of it there than a node of two.
 PROCESS_UTIL_READ_S = 0.1
+PROCESS_UTIL_READS_PER_S = 20.0
+PROCESS_UTIL_ASKED_S = 1.0     # a device asked for within this long competes for reads
 
 
 def process_utilization_support(pynvml, handle) -> str | None:
@@ -55,6 +60,8 @@ class Devices:
     _no_proc_mem: bool = False    # NVML refused per-process memory once: not asked again
     clock: Callable[[], float] = time.monotonic
     _proc_util: dict = field(default_factory=dict)    # device -> (read at, reading)
+    _proc_util_asked: dict = field(default_factory=dict)  # device -> last asked for
+    _proc_util_last: float = float("-inf")            # the last read, any device
 
     @classmethod
     def discover(cls, simulated: bool, fallback: Fallback = Fallback()) -> "Devices":
@@ -101,16 +108,31 @@ class Devices:
     def process_utilization(self, dev: int) -> dict[int, float] | None:
         """SM utilization per pid over the last second where NVML reports it
         (bare-metal hosts); None where it does not (virtual machines: the
-        driver lists no processes). Read at most every PROCESS_UTIL_READ_S."""
+        driver lists no processes). A device's first reading is taken at
+        once; after that the kept one is returned until this device's is
+        the stalest of those asked for, at least PROCESS_UTIL_READ_S old,
+        and the node's read budget (PROCESS_UTIL_READS_PER_S) allows one."""
         if not self.nvml or self._no_proc_util:
             return None
         now = self.clock()
+        self._proc_util_asked[dev] = now
         kept = self._proc_util.get(dev)
-        if kept is not None and now - kept[0] < PROCESS_UTIL_READ_S:
+        if kept is not None and not self._proc_util_due(dev, now):
             return kept[1]
         out = self._read_process_utilization(dev)
         self._proc_util[dev] = (now, out)
+        self._proc_util_last = now
         return out
+
+    def _proc_util_due(self, dev: int, now: float) -> bool:
+        read_at = self._proc_util[dev][0]
+        if now - read_at < PROCESS_UTIL_READ_S:
+            return False
+        if now - self._proc_util_last < 1.0 / PROCESS_UTIL_READS_PER_S:
+            return False
+        return all(self._proc_util[d][0] >= read_at
+                   for d, asked in self._proc_util_asked.items()
+                   if d != dev and d in self._proc_util and now - asked <= PROCESS_UTIL_ASKED_S)
 
     def utilization_source(self) -> str:
         """What the SM guard reads of the devices' use (`mechanisms`), probed

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from hami_bpf import doctor
-from hami_bpf.devices import PROCESS_UTIL_READ_S, Devices, Fallback
+from hami_bpf.devices import PROCESS_UTIL_READ_S, PROCESS_UTIL_READS_PER_S, Devices, Fallback
 from hami_bpf.fakecuda.sim import PM_DEVS, PM_SLOTS
 
 SLOT = struct.Struct(f"<II{PM_DEVS}Q")
@@ -92,6 +92,32 @@ def test_per_process_utilization_is_read_at_most_once_per_period_per_device(monk
     now[0] += 1.5 * PROCESS_UTIL_READ_S
     assert d.process_utilization(0) == {41: 55.0}
     assert fake.calls == 3
+
+
+def test_a_node_of_many_gpus_shares_one_read_budget_stalest_first(monkeypatch):
+    fake = FakeNvml({41: 30.0})
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    now = [100.0]
+    d = Devices(8, False, nvml=True, clock=lambda: now[0])
+    read_at = {}
+    seconds, tick = 4.0, 0.005
+    for _ in range(int(seconds / tick)):     # every device asked at every tick, at 200 Hz
+        for dev in range(8):
+            before = fake.calls
+            assert d.process_utilization(dev) == {41: 30.0}
+            if fake.calls != before:
+                read_at.setdefault(dev, []).append(now[0])
+        now[0] += tick
+    # each device's first reading at once, then the node's budget
+    assert fake.calls <= 8 + PROCESS_UTIL_READS_PER_S * seconds + 1
+    # and no device starves: each is read again within its turn of the budget
+    # (each read of the node at most a tick past its due time)
+    turn = 8 * (1 / PROCESS_UTIL_READS_PER_S + tick)
+    for dev in range(8):
+        gaps = [b - a for a, b in zip(read_at[dev], read_at[dev][1:])]
+        assert len(read_at[dev]) >= seconds / turn - 1
+        assert gaps[0] <= PROCESS_UTIL_READ_S + turn, (dev, gaps)   # the first round
+        assert max(gaps[1:]) <= turn + 1e-6, (dev, gaps)
 
 
 def test_an_idle_device_reads_none_and_is_asked_again_later(monkeypatch):
