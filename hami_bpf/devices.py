@@ -26,16 +26,18 @@ PROCESS_UTIL_READS_PER_S = 20.0
 PROCESS_UTIL_ASKED_S = 1.0     # a device asked for within this long competes for reads
 
 
-def process_utilization_support(pynvml, handle) -> str | None:
-    """None where NVML reports per-process utilization on this device (a
-    sample, or none yet: NVML_ERROR_NOT_FOUND), else why it does not (virtual
-    machines: the driver lists no processes)."""
+def process_samples(pynvml, dev: int) -> tuple[list | None, str | None]:
+    """NVML's per-process utilization samples of device `dev` over the last
+    second: (samples, None); (None, None) where it has none yet
+    (NVML_ERROR_NOT_FOUND: idle, still reported); (None, why) where it does
+    not report them (virtual machines: the driver lists no processes)."""
     try:
-        pynvml.nvmlDeviceGetProcessUtilization(handle, int((time.time() - 1.0) * 1e6))
+        h = pynvml.nvmlDeviceGetHandleByIndex(dev)
+        return pynvml.nvmlDeviceGetProcessUtilization(h, int((time.time() - 1.0) * 1e6)), None
     except Exception as e:  # noqa: BLE001 - any refusal means "not reported"
-        if getattr(e, "value", None) != getattr(pynvml, "NVML_ERROR_NOT_FOUND", -1):
-            return str(e) or type(e).__name__
-    return None
+        if getattr(e, "value", None) == getattr(pynvml, "NVML_ERROR_NOT_FOUND", -1):
+            return None, None
+        return None, str(e) or type(e).__name__
 
 
 @dataclass(frozen=True)
@@ -61,7 +63,6 @@ class Devices:
     clock: Callable[[], float] = time.monotonic
     _proc_util: dict = field(default_factory=dict)    # device -> (read at, reading)
     _proc_util_asked: dict = field(default_factory=dict)  # device -> last asked for
-    _proc_util_last: float = float("-inf")            # the last read, any device
 
     @classmethod
     def discover(cls, simulated: bool, fallback: Fallback = Fallback()) -> "Devices":
@@ -121,14 +122,14 @@ class Devices:
             return kept[1]
         out = self._read_process_utilization(dev)
         self._proc_util[dev] = (now, out)
-        self._proc_util_last = now
         return out
 
     def _proc_util_due(self, dev: int, now: float) -> bool:
         read_at = self._proc_util[dev][0]
         if now - read_at < PROCESS_UTIL_READ_S:
             return False
-        if now - self._proc_util_last < 1.0 / PROCESS_UTIL_READS_PER_S:
+        last = max(at for at, _reading in self._proc_util.values())   # any device's
+        if now - last < 1.0 / PROCESS_UTIL_READS_PER_S:
             return False
         return all(self._proc_util[d][0] >= read_at
                    for d, asked in self._proc_util_asked.items()
@@ -143,10 +144,7 @@ class Devices:
             return "none (no NVML)"
         if self.count:
             import pynvml
-            try:
-                why = process_utilization_support(pynvml, pynvml.nvmlDeviceGetHandleByIndex(0))
-            except Exception as e:  # noqa: BLE001 - the handle itself: not reported
-                why = str(e)
+            why = process_samples(pynvml, 0)[1]
             if why is None:
                 return "per process (NVML)"
             self._no_proc_util = True
@@ -155,16 +153,12 @@ class Devices:
 
     def _read_process_utilization(self, dev: int) -> dict[int, float] | None:
         import pynvml
-        try:
-            h = pynvml.nvmlDeviceGetHandleByIndex(dev)
-            since = int((time.time() - 1.0) * 1e6)
-            samples = pynvml.nvmlDeviceGetProcessUtilization(h, since)
-        except Exception as e:
-            # NVML_ERROR_NOT_FOUND: no sample in the window (idle), not unsupported.
-            if getattr(e, "value", None) != getattr(pynvml, "NVML_ERROR_NOT_FOUND", -1):
-                self._no_proc_util = True
-                log.info("NVML per-process utilization unavailable (%s): device-level "
-                         "utilization is used", e)
+        samples, why = process_samples(pynvml, dev)
+        if why is not None:
+            self._no_proc_util = True
+            log.info("NVML per-process utilization unavailable (%s): device-level "
+                     "utilization is used", why)
+        if samples is None:
             return None
         out: dict[int, float] = {}
         for smp in samples:

@@ -158,11 +158,8 @@ def check_nvml() -> dict[str, Any]:
             drv = "unknown"
         why = "no device"
         if count:
-            from .devices import process_utilization_support
-            try:
-                why = process_utilization_support(pynvml, pynvml.nvmlDeviceGetHandleByIndex(0))
-            except Exception as e:
-                why = str(e)
+            from .devices import process_samples
+            why = process_samples(pynvml, 0)[1]
         per_process = why is None
         reads = ("per-process utilization: the SM guard reads each group's own part"
                  if per_process else

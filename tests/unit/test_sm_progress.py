@@ -441,8 +441,9 @@ def test_a_loop_slowed_by_its_holds_or_not_keeps_its_cap(name, speed, cap):
 # Loops the pacer's constants were not set on: an encoder serving batches
 # (its GPU 35% busy: samples read over 1 there), a GPT-2 decode loop, a
 # training loop fed by a DataLoader, and a server answering on three
-# threads, each on its own stream (its GPU works on through a hold). Each keeps the fail-open floor, and
-# where it misses its cap it errs open: never more than 5 points under.
+# threads, each on its own stream (its GPU works on through a hold). Each
+# keeps the fail-open floor, and where it misses its cap it errs open: never
+# more than 5 points under.
 UNSEEN = ("bert_infer", "gpt2_decode", "loader_train", "threaded_infer")
 
 
