@@ -41,8 +41,7 @@ THROTTLE_TICK_S = 0.05     # tick period while a group is capped and none is hel
 HELD_TICK_S = 0.005        # tick period while a group is held: its release is due soon
 DUTY_TICK_S = 0.01         # tick period while duty pacing runs: it asks for holds this promptly
 UNPACED_S = 2.0            # a neighbour that launched this recently and has no pace yet: wait
-RESUME_MARGIN_S = 0.02     # a held group resumes with this much of its rate in hand: fewer,
-                           # longer holds, not a sliver of budget each time
+RESUME_MARGIN_S = 0.02     # a held group resumes with this much of its rate in hand: fewer holds
 THROTTLED_SHOWN_S = 1.0    # a group held back within this long shows as throttled in the views
 
 Key = tuple[int, int]      # (group index, physical device)
@@ -484,10 +483,11 @@ class SmController:
                 caps[(g.index, dev)] = cap
             if name in obs.held:
                 held[g.index] = obs.held[name]
-        shared = frozenset(k for k in caps if self._neighbour_busy(k, now))
+        active = [k for k, t in self._last_busy.items() if now - t <= BUSY_S]
+        shared = frozenset(k for k in caps if any(a[1] == k[1] and a != k for a in active))
         pobs = duty.Observation(now=now, caps=caps, held=held, turns=frozenset(self.turns),
                                 alone_held=alone_held, probe_s=obs.probe_s, shared=shared,
-                                util=obs.util, use={
+                                util=obs.util, spare=duty.spare_time(caps, active), use={
             k: duty.Use(consumed=v[0], syncs=v[5], waiting=obs.waiting.get(k, 0), launches=v[1],
                         sync_s=v[3] / 1e9)
             for k, v in use.items() if k in caps})

@@ -41,19 +41,18 @@ stays its to end when the group leaves DUTY mode or loses its cap while held
 The synchronize rate that decides the mode is counted per second of running,
 time held left out: a group held three quarters of the time at cap 25
 synchronizes a quarter as often per second of wall time, which would hand it
-back to the launch budget and then, running freely, to this pacer again; and
-a decode loop that the launch budget holds most of the time (its rate learned
-in a warm-up unlike its steady state) still synchronizes a hundred times a
-second of running, and is paced here. The one exception: a group that left
-this pacer because it synchronized rarely while it ran freely keeps the launch
-budget's holds in its rate for a while (BUDGET_STAY_S, doubled at each return,
-up to BUDGET_STAY_MAX_S): a loop whose synchronizes come at set wall-clock
-times synchronizes more often per second of running the longer the budget
-holds it, and would go back and forth between the two. Nor does a group
-whose budget takes turns with others' (Observation.turns), or which waits
-while another group learns its rate alone (Observation.alone_held), leave
-out its holds: those are its time slices, or another's, not an estimate
-gone wrong.
+back to the launch budget and then, running freely, to this pacer again; and a
+decode loop that the launch budget holds most of the time (its rate learned in
+a warm-up unlike its steady state) still synchronizes a hundred times a second
+of running, and is paced here. The one exception: a group that left this pacer
+because it synchronized rarely while it ran freely keeps the launch budget's
+holds in its rate for a while (BUDGET_STAY_S, doubled at each return, up to
+BUDGET_STAY_MAX_S): a loop whose synchronizes come at set wall-clock times
+synchronizes more often per second of running the longer the budget holds it,
+and would go back and forth between the two. Nor does a group whose budget
+takes turns with others' (Observation.turns), or which waits while another
+group learns its rate alone (Observation.alone_held), leave out its holds:
+those are its time slices, or another's, not an estimate gone wrong.
 
 The launch probe's own time is the controller's, not the group's: a group
 whose host loop sets its pace (its threads spend under half their running
@@ -63,55 +62,57 @@ running time the probes took (launches per second of running x the probe's
 measured cost, Observation.probe_s; at most MAX_PROBE_SHARE). A group that
 waits for the GPU is not slowed by its launcher and gets nothing.
 
-A group whose launching thread sets its pace is held less often, for
-longer: it runs at least HOST_RUN_S between holds (its hold, the debt at which
-it is asked, grows to HOST_RUN_S x (100 - cap) / cap, at most
-HOST_QUANTUM_MAX_S, and its bound to twice that). Such a loop runs slower for
-a while after each stop, and no queue of GPU work hides it: stopped and
-continued from outside at a 0.1 s period and 50% duty a decode loop ran at
-~82% of its free speed per second of running, at a 0.4 s period at ~100%,
-whether or not its CPU was kept busy while it was stopped
-(bench/gpu/stopcont.py). A
-group that waits for the GPU loses nothing to a stop and keeps the short
-quantum, which keeps neighbours' turns fine-grained. The test is the waited
-share: under WAITED_SHARE of its running time inside synchronize calls over
-the synchronize rate's window it is host-paced, from GPU_PACED_SHARE up it is
-not, and in between (or with too little seen) it keeps what it was.
+A group whose launching thread sets its pace is held less often, for longer:
+it runs at least HOST_RUN_S between holds (its hold, the debt at which it is
+asked, grows to HOST_RUN_S x (100 - cap) / cap, at most HOST_QUANTUM_MAX_S,
+and its bound to twice that). Such a loop runs slower for a while after each
+stop, and no queue of GPU work hides it: stopped and continued from outside at
+a 0.1 s period and 50% duty a decode loop ran at ~82% of its free speed per
+second of running, at a 0.4 s period at ~100%, whether or not its CPU was kept
+busy while it was stopped (bench/gpu/stopcont.py). A group that waits for the
+GPU loses nothing to a stop and keeps the short quantum, which keeps
+neighbours' turns fine-grained. The test is the waited share: under
+WAITED_SHARE of its running time inside synchronize calls over the synchronize
+rate's window it is host-paced, from GPU_PACED_SHARE up it is not, and in
+between (or with too little seen) it keeps what it was.
 
 A launch-bound loop, one whose GPU has finished its work by the time it
-synchronizes (under LAUNCH_BOUND_SHARE of its running time inside
-synchronize calls, until it reaches LAUNCH_SLACK_SHARE again: an LLM decode
-step of a few hundred small kernels), also
-runs slower per second of running for as long as it is held at all, by an
-amount nothing outside it shows: its thread does less per CPU second, all
-through each slice, while the GPU's clock stays where it was. A decode loop
-capped at 50 by this pacer ran at 77-93% (mean 85%, ten stretches) of its
-own free speed per second of running, with holds of 66 to 355 ms alike;
-loops that keep the GPU busy while they launch (a CNN training step, an LLM
-prefill: 17-20% of their time waiting in synchronize calls) ran at 98-105%:
-their launching thread has slack (bench/gpu/stopcont.sh). So a
+synchronizes (under LAUNCH_BOUND_SHARE of its running time inside synchronize
+calls, until it reaches LAUNCH_SLACK_SHARE again: an LLM decode step of a few
+hundred small kernels), also runs slower per second of running for as long as
+it is held at all, by an amount nothing outside it shows: its thread does less
+per CPU second, all through each slice, while the GPU's clock stays where it
+was. A decode loop capped at 50 by this pacer ran at 77-93% (mean 85%, ten
+stretches) of its own free speed per second of running, with holds of 66 to
+355 ms alike; loops that keep the GPU busy while they launch (a CNN training
+step, an LLM prefill: 17-20% of their time waiting in synchronize calls) ran
+at 98-105%: their launching thread has slack (bench/gpu/stopcont.sh). So a
 launch-bound group in DUTY mode is given HOST_STOP_SHARE of its running time
-back, as the probes' share is: it runs cap / (1 - HOST_STOP_SHARE) of the
-time (cap 50: 58.8%), while no other group uses its device
-(Observation.shared): the time given back is then time no one else wanted,
-where next to a neighbour it would be the neighbour's (a CNN capped at 30
-next to a decode loop at 70 given it back made 20.4% of its speed). One
-that loses nothing runs that much over its cap (errs open, where it costs no
-one); one that loses what the decode loop did lands on it. How much a held
-decode loop loses changes from run to run on the H200 VM (0-23%).
-So that share is a first guess. A quiet group alone on its device (under
-LAUNCH_BOUND_SHARE inside synchronize calls, until LAUNCH_SLACK_SHARE) has
-its speed measured (sm.progress: now and then it runs free, asked for no
-hold, KeyDecision.sampling), and once known it runs cap / speed of the
-time (stop_share = 1 - speed, below 0 where it does more paced than free).
-What a sample ran over its share is kept apart (_Key.reserve) and added
-to its debt at REPAY_SHARE more per second it runs: its holds keep their
-length, and its share holds over the seconds after. Under SAMPLE_FROM_CAP
-nothing is sampled: a free second owes too much there (three seconds held
-at cap 25, a minute's repayment; three workloads capped at 25 for 30 s ran
-32-37% of their free speed, held 64-66% of the time), and the first guess
-is close enough: cap x (speed / (1 - HOST_STOP_SHARE) - 1) is within 5
-points there for any speed from progress.MIN_SPEED to 1.
+back, as the probes' share is: it runs cap / (1 - HOST_STOP_SHARE) of the time
+(cap 50: 58.8%), while no other group uses its device (Observation.shared):
+the time given back is then time no one else wanted, where next to a neighbour
+it would be the neighbour's (a CNN capped at 30 next to a decode loop at 70
+given it back made 20.4% of its speed), but for the time the caps there leave
+unclaimed (Observation.spare: 20% beside a neighbour at 30 for a cap of 50),
+no one's: as much of the first guess as that covers, split between the
+launch-bound groups there, whose synchronize calls alone tell it (a
+neighbour's work is in the device's utilization there). One that loses nothing
+runs that much over its cap (errs open, where it costs no one); one that loses
+what the decode loop did lands on it. How much a held decode loop loses
+changes from run to run on the H200 VM (0-23%). So that share is a first
+guess. A quiet group alone on its device (under LAUNCH_BOUND_SHARE inside
+synchronize calls, until LAUNCH_SLACK_SHARE) has its speed measured
+(sm.progress: now and then it runs free, asked for no hold,
+KeyDecision.sampling), and once known it runs cap / speed of the time
+(stop_share = 1 - speed, below 0 where it does more paced than free). What a
+sample ran over its share is kept apart (_Key.reserve) and added to its debt
+at REPAY_SHARE more per second it runs: its holds keep their length, and its
+share holds over the seconds after. Under SAMPLE_FROM_CAP nothing is sampled:
+a free second owes too much there (three seconds held at cap 25, a minute's
+repayment; three workloads capped at 25 for 30 s ran 32-37% of their free
+speed, held 64-66% of the time), and the first guess is close enough: cap x
+(speed / (1 - HOST_STOP_SHARE) - 1) is within 5 points there for any speed
+from progress.MIN_SPEED to 1.
 
 Little time inside synchronize calls does not always mean a GPU idle by the
 time the loop asks: a loop whose launch queue is full waits inside its
@@ -146,7 +147,7 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Mapping
+from typing import Iterable, Mapping
 
 from . import progress
 
@@ -179,17 +180,13 @@ LAUNCH_BOUND_BUSY = 50.0   # ... this much or more: not
 BUSY_RUN_S = 1.0           # ... over the last readings in which it ran this long
 BUSY_MIN_RUN_S = 0.5       # ... or at least this long
 BUSY_WALL_S = 10.0         # ... looking back this far at most
-BUSY_WAIT_S = 3.0          # no reading this long after it looked launch-bound: its synchronize
-                           # calls alone decide
+BUSY_WAIT_S = 3.0          # no reading this long after it looked launch-bound: syncs decide
 BUSY_READ_S = 0.1          # a device reading for it at most this often
 REPAY_SHARE = 0.25     # a free sample's debt is repaid at this much more per second it runs
 SAMPLE_FROM_CAP = 28.0  # caps under this are not sampled: HOST_STOP_SHARE keeps any speed from
-                        # progress.MIN_SPEED to 1 within 5 points there, and a free second
-                        # owes (100 - cap) / cap held (three at 25, a minute to repay)
-BESIDE_S = 1.0         # a group paced here by its synchronizes, active this recently, paces
-                       # its device's groups that synchronize rarely here too
-DUE_EPS_S = 1e-6       # a debt or hold this close to its end has ended (a step at next_step
-                       # lands within rounding of it, on either side)
+                        # progress.MIN_SPEED to 1 within 5 points there (a free second owes 3 at 25)
+BESIDE_S = 1.0         # paced here by its syncs, active this recently: paces rare syncers beside it
+DUE_EPS_S = 1e-6       # a debt or hold this close to its end has ended (rounding of next_step)
 
 
 class Mode(str, Enum):
@@ -233,6 +230,8 @@ class Observation:
     shared: frozenset = frozenset()
     # device -> utilization (percent) where read this step (wants_util)
     util: Mapping[int, float | None] | None = None
+    # device -> the share of its time (percent) no cap claims (spare_time)
+    spare: Mapping[int, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -380,6 +379,18 @@ def _busy(k: _Key, now: float, util: float | None, alone: bool) -> float | None:
     return min((reads[-1][2] - reads[0][2]) / ran, 100.0) if ran >= BUSY_MIN_RUN_S else None
 
 
+def spare_time(caps: Mapping[tuple[int, int], float],
+               active: Iterable[tuple[int, int]]) -> dict[int, float]:
+    """Per device, the share of its time (percent) no cap claims: 100 less the
+    caps of the keys in `active` (launched there lately, capped or not), 0
+    where one of them is uncapped (it takes what it can)."""
+    claimed: dict[int, float] = collections.defaultdict(float)
+    for key in active:
+        cap = caps.get(key)
+        claimed[key[1]] += 100.0 if cap is None else cap
+    return {dev: max(0.0, 100.0 - c) for dev, c in claimed.items()}
+
+
 def _host_paced(k: _Key, window: tuple[float, float, int] | None) -> bool:
     if window is None:
         return k.host_paced
@@ -511,6 +522,9 @@ class DutyPacer:
         # device, a group that synchronizes rarely is paced here too.
         pacers = [(key, k.last_active) for key, k in self._keys.items() if k.own is Mode.DUTY]
 
+        sharers = collections.Counter(key[1] for key, k in self._keys.items()
+                                      if key in obs.shared and k.launch_bound and k.stop_share)
+
         def beside(key: tuple[int, int]) -> bool:
             return any(o[1] == key[1] and o != key and (now - seen <= BESIDE_S or o[0] in obs.held)
                        for o, seen in pacers)
@@ -570,12 +584,16 @@ class DutyPacer:
                 # probe times: whether the probes slow it is unknown, and the
                 # time would be its neighbour's.
                 k.probe_share = 0.0
+            # beside a neighbour: the time no cap claims, split between the
+            # groups there given some of it back at the last step
+            spare = ((obs.spare or {}).get(key[1], 0.0) / max(1, sharers[key[1]])
+                     if key in obs.shared else 0.0)
             busy = _busy(k, now, (obs.util or {}).get(key[1]), key not in obs.shared)
             gpu_busy = busy is not None and busy >= LAUNCH_BOUND_BUSY
             gpu_idle = busy is None or busy < LAUNCH_IDLE_BUSY
             if window is not None:
                 quiet = window[1] < LAUNCH_BOUND_SHARE
-                if quiet and not k.quiet or key in obs.shared:
+                if quiet and not k.quiet or key in obs.shared and not spare:
                     k.quiet_since = now
                 k.quiet = quiet
                 if quiet:
@@ -603,6 +621,9 @@ class DutyPacer:
             if alone and k.sampled and k.meter.speed is not None:
                 # measured: what it does per second of running, against free
                 stop_share = 1.0 - k.meter.speed
+            elif spare > 0 and k.launch_bound and mode is Mode.DUTY and not by_neighbour:
+                most = 1.0 - k.cap / ((1.0 - k.probe_share) * min(k.cap + spare, 99.0))
+                stop_share = min(self.host_stop_share, max(most, 0.0))
             if stop_share != k.stop_share and sample is None:
                 given.append((key, stop_share))     # a measurement says so itself
             k.stop_share = stop_share

@@ -21,9 +21,10 @@ from .replay import (_EPS, LOOP_SETTLE_S, TICK_S, Cold, Step, _Device, _longest_
 
 class PairController:
     """duty.DutyPacer for several groups on one device, one process each, as
-    the daemon drives it: their caps, their probes' counts, which are held,
-    and which share the device (another group launched there within
-    throttle.BUSY_S: nothing is given back or measured there)."""
+    the daemon drives it: their caps (None: uncapped, seen launching but not
+    paced), their probes' counts, which are held, which share the device
+    (another group launched there within throttle.BUSY_S: nothing is
+    measured there) and the share of its time no cap claims."""
 
     def __init__(self, caps: list, pacer: duty.DutyPacer | None = None) -> None:
         self.caps = caps
@@ -35,17 +36,22 @@ class PairController:
         return 0 in self.pacer.wants_util(now)
 
     def step(self, now: float, procs: list, seen: list, util: float | None) -> tuple:
-        keys = [(g, 0) for g in range(len(procs))]
+        """Step the pacer; procs and seen for every group, capped or not.
+        Returns each capped group's Step, in order, and the next step's time."""
         for g, p in enumerate(procs):
             if p.launches != self.launches.get(g):
                 self.launches[g], self.last_launch[g] = p.launches, now
-        shared = frozenset(k for k in keys if any(
-            g != k[0] and now - t <= BUSY_S for g, t in self.last_launch.items()))
+        capped = [g for g, c in enumerate(self.caps) if c is not None]
+        keys = [(g, 0) for g in capped]
+        active = [(g, 0) for g, t in self.last_launch.items() if now - t <= BUSY_S]
+        shared = frozenset(k for k in keys if any(a != k for a in active))
+        caps = {(g, 0): self.caps[g] for g in capped}
         obs = duty.Observation(
-            now=now, caps={k: c for k, c in zip(keys, self.caps)},
-            use={k: p.use() for k, p in zip(keys, procs)},
-            held={k[0]: h for k, h in zip(keys, seen) if h is not None},
-            shared=shared, util=None if util is None else {0: util})
+            now=now, caps=caps,
+            use={(g, 0): procs[g].use() for g in capped},
+            held={g: seen[g] for g in capped if seen[g] is not None},
+            shared=shared, util=None if util is None else {0: util},
+            spare=duty.spare_time(caps, active))
         d = self.pacer.step(obs)
         return [_step_of(d, k) for k in keys], d.next_step
 
@@ -58,12 +64,12 @@ def replay_pair(wls: list, caps: list, *, horizon: float | None = None, tick: fl
     (or None). One Run per workload."""
     procs = [_Proc(wl, c) for wl, c in zip(wls, colds or [None] * len(wls))]
     capped = [i for i, c in enumerate(caps) if c is not None]
-    ctl = PairController([caps[i] for i in capped], pacer)
+    ctl = PairController(list(caps), pacer)
     none = Step(duty.Ask.NONE, False, None, duty.Mode.BUDGET)
 
     def step(now: float, dev: _Device, seen: list) -> tuple[list, float | None]:
         util = dev.nvml_util(now) if ctl.wants_util(now) else None
-        got, nxt = ctl.step(now, [procs[i] for i in capped], [seen[i] for i in capped], util)
+        got, nxt = ctl.step(now, procs, seen, util)
         steps = [none] * len(procs)
         for i, s in zip(capped, got):
             steps[i] = s

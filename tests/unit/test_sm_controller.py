@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -341,6 +342,20 @@ def test_a_launch_bound_group_is_given_nothing_back_while_another_group_uses_its
             b.run(t, cost=100)
         given += [e["stop_share"] for e in events(step(c, t, gs, [a, b]), "given_back")]
     assert given == [duty.HOST_STOP_SHARE, 0.0]
+
+
+def test_beside_a_capped_neighbour_a_launch_bound_group_is_given_back_what_no_cap_claims():
+    c, gs = controller({"a": 50, "b": 45}), groups(a=1, b=2)
+    a, b = Load(1), Load(2)                   # b: capped too, launching on the same device
+    t, given = 100.0, []
+    for i in range(900):
+        t += 0.01
+        a.run(t, cost=100, sync=True)
+        if i >= 600:
+            b.run(t, cost=100)
+        given += [e["stop_share"] for e in events(step(c, t, gs, [a, b]), "given_back")]
+    # 5% of the device's time is no one's: a runs 55% of it at most
+    assert given == [duty.HOST_STOP_SHARE, pytest.approx(1 - 50 / 55)]
 
 
 def test_a_giveback_of_zero_gives_nothing_back():

@@ -771,7 +771,7 @@ def test_a_change_of_slices_is_reported_once_each_way():
 NVML_PERIOD_S = 1 / 6     # NVML's utilization: the busy share of its last sample period
 
 
-def always_running(p, cap, waited, seconds=20.0, dt=0.002, util=None, said=None):
+def always_running(p, cap, waited, seconds=20.0, dt=0.002, util=None, said=None, spare=None):
     """A group always active that stops at once when asked, spending `waited`
     of its running time inside synchronize calls (a synchronize per step).
     Returns (percent of the time it ran once what it is given back is known,
@@ -780,7 +780,8 @@ def always_running(p, cap, waited, seconds=20.0, dt=0.002, util=None, said=None)
     pacer asks) as NVML does, the busy share of its last sample period;
     without, no reading comes, and what it is given back is known
     BUSY_WAIT_S after its first window. `said`: (time, stop_share) of each
-    change is appended."""
+    change is appended. `spare`: beside a neighbour, on a device of which
+    that share of the time (percent) no cap claims."""
     t, n, sync_s, since = 0.0, 0, 0.0, None
     ran = total = 0.0
     kd = None
@@ -799,8 +800,9 @@ def always_running(p, cap, waited, seconds=20.0, dt=0.002, util=None, said=None)
         recent.append(since is None)
         if util is not None and KEY[1] in p.wants_util(t):
             read = {KEY[1]: util * sum(recent) / len(recent)}
+        beside = {} if spare is None else {"shared": frozenset({KEY}), "spare": {KEY[1]: spare}}
         d = p.step(Observation(t, {KEY: cap}, {KEY: Use(n, n, sync_s=sync_s)},
-                               {KEY[0]: since} if since is not None else {}, util=read))
+                               {KEY[0]: since} if since is not None else {}, util=read, **beside))
         kd = d.keys[KEY]
         if said is not None:
             said.extend((t, share) for key, share in d.given_back if key == KEY)
@@ -836,6 +838,30 @@ def test_a_quiet_loop_that_keeps_its_gpu_busy_is_given_nothing_back(cap, waited)
     share, stop_share = always_running(duty.DutyPacer(), cap, waited, util=95.0, said=said)
     assert stop_share == 0.0 and said == []
     assert abs(share - cap) <= 2.0, share
+
+
+@given(cap=st.integers(10, 80), spare=st.floats(0.0, 40.0))
+@settings(max_examples=15, deadline=None)
+def test_beside_a_neighbour_a_launch_bound_group_is_given_back_only_time_no_cap_claims(cap, spare):
+    share, stop_share = always_running(duty.DutyPacer(), cap, 0.0, spare=spare)
+    assert stop_share == pytest.approx(min(duty.HOST_STOP_SHARE, 1 - cap / (cap + spare)))
+    assert abs(share - min(allowed(cap), cap + spare)) <= 2.0, share
+
+
+def test_beside_a_neighbour_with_no_time_spare_nothing_is_given_back():
+    said = []
+    share, stop_share = always_running(duty.DutyPacer(), 70, 0.0, spare=0.0, said=said)
+    assert stop_share == 0.0 and said == [] and abs(share - 70) <= 2.0, share
+
+
+def test_spare_time_is_what_no_active_group_claims_and_none_beside_an_uncapped_one():
+    caps = {(0, 0): 30.0, (1, 0): 50.0, (0, 1): 40.0}
+    assert duty.spare_time(caps, [(0, 0), (1, 0)]) == {0: 20.0}
+    assert duty.spare_time(caps, [(0, 0), (1, 0), (0, 1)]) == {0: 20.0, 1: 60.0}
+    # a group with no cap on the device takes what it can
+    assert duty.spare_time(caps, [(0, 0), (2, 0)]) == {0: 0.0}
+    assert duty.spare_time(caps, [(0, 0), (1, 1)]) == {0: 70.0, 1: 0.0}
+    assert duty.spare_time({(0, 0): 70.0, (1, 0): 50.0}, [(0, 0), (1, 0)]) == {0: 0.0}
 
 
 def test_a_quiet_loop_between_idle_and_busy_keeps_what_it_was():

@@ -121,6 +121,34 @@ def test_beside_a_neighbour_a_loop_slowed_by_its_holds_keeps_its_share_not_more(
         assert s.below_longest_s <= FAIL_OPEN_S, _line(sides)
 
 
+@pytest.mark.parametrize("caps", ((30, 50), (20, 50), (30, 30)))
+def test_beside_a_neighbour_a_loop_slowed_by_its_holds_is_given_back_time_no_cap_claims(caps):
+    """Where the caps leave part of the device's time unclaimed, that part
+    is no one's: the decode loop that runs 15% slower whenever it is held
+    is given back what that costs it out of it, and lands on its cap; the
+    neighbour keeps its own, and the two still take turns."""
+    runs, sides = _pair("cnn_train", "llm_decode", caps, (None, HELD_LOSS))
+    for s, cap in zip(sides, caps):
+        assert abs(100 * s.mean - cap) <= TOLERANCE_PTS, _line(sides)
+        assert s.below_longest_s <= FAIL_OPEN_S, _line(sides)
+    lo, hi = sides[0].window
+    ran = sum(b - a for a, b in _running(runs[1], lo, hi)) / (hi - lo)
+    assert caps[1] + TOLERANCE_PTS < 100 * ran <= caps[1] + (100 - sum(caps)) + 2, _line(sides)
+    both = _overlap(_running(runs[0], lo, hi), _running(runs[1], lo, hi))
+    assert both / (hi - lo) < 0.02, (both, _line(sides))
+
+
+def test_beside_an_uncapped_neighbour_nothing_is_given_back():
+    """An uncapped group takes what it can: no time is spare beside it, and
+    the capped decode loop runs its cap's share of the time, no more (its
+    neighbour another decode loop, so that it stays launch-bound)."""
+    runs, sides = _pair("gpt2_decode", "llm_decode", (None, 50), (None, HELD_LOSS))
+    lo, hi = sides[1].window
+    ran = sum(b - a for a, b in _running(runs[1], lo, hi)) / (hi - lo)
+    assert abs(100 * ran - 50) <= TOLERANCE_PTS, _line(sides)
+    assert runs[0].holds == []
+
+
 def test_an_uncapped_neighbour_is_never_held_and_the_capped_side_keeps_its_share():
     runs, sides = _pair("llm_prefill", "cnn_train", (None, 50))
     assert runs[0].holds == [] and runs[0].stops == {"sync": 0, "launch": 0}
