@@ -119,13 +119,15 @@ def cli(a, cold: Cold | None, recs: list) -> int:
         raise SystemExit("--pair takes exactly two recordings")
     wls = [fit(r) for r in recs]
     bases = [replay(wl) for wl in wls]
+    colds = [cold if a.slowed in ("both", side) else None for side in ("first", "second")]
     for split in a.pair.split(","):
-        caps = [float(c) for c in split.split(":")]
-        runs = replay_pair(wls, caps, horizon=a.horizon, colds=[cold] * len(wls),
+        caps = [None if c == "none" else float(c) for c in split.split(":")]
+        runs = replay_pair(wls, caps, horizon=a.horizon, colds=colds,
                            pacer=duty.DutyPacer(sample_share=a.sample_pct / 100))
         sides = compare_pair(runs, bases, [(r.loop_start, r.loop_end) for r in recs])
         lo, hi = sides[0].window
         print(f"{split:>7}  both loops {lo:.0f}-{hi:.0f} s  " + "  ".join(
-            f"{s.workload} cap {s.cap:g}: {100 * s.mean:5.1f} (below cap-10 {s.below_longest_s:.0f} s)"
+            f"{s.workload} cap {'-' if s.cap is None else f'{s.cap:g}'}: {100 * s.mean:5.1f} "
+            f"(below cap-10 {s.below_longest_s:.0f} s)"
             for s in sides))
     return 0

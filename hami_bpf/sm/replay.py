@@ -568,7 +568,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --cap-from: end each run S seconds after the cap is set")
     ap.add_argument("--pair", default=None, metavar="SPLITS",
                     help="replay the two recordings given side by side, one group each, at each "
-                         "split of caps (e.g. 30:70,50:50), each side against its replay alone")
+                         "split of caps (e.g. 30:70,50:50; none: uncapped), each side against its "
+                         "replay alone")
+    ap.add_argument("--slowed", choices=("both", "first", "second"), default="both",
+                    help="with --pair and --cold or --held: the side(s) a stop slows")
     a = ap.parse_args(argv)
     cold = HELD_MEASURED if a.held else COLD_MEASURED if a.cold else None
     if a.pair:
