@@ -331,9 +331,11 @@ def test_a_launch_bound_group_is_said_to_be_given_back_its_stop_cost_once():
     assert counts["sm_giveback_on"] == 1 and counts["sm_giveback_off"] == 0
 
 
-def test_a_launch_bound_group_is_given_nothing_back_while_another_group_uses_its_device():
-    c, gs = controller({"a": 50}), groups(a=1, b=2)
-    a, b = Load(1), Load(2)                   # b: uncapped, launching on the same device
+def given_back_as_b_comes(caps: dict[str, int]) -> list[float]:
+    """a launch-bound, alone for 6 s, then b launching on its device too:
+    a's stop_share at each change."""
+    c, gs = controller(caps), groups(a=1, b=2)
+    a, b = Load(1), Load(2)
     t, given = 100.0, []
     for i in range(900):
         t += 0.01
@@ -341,21 +343,20 @@ def test_a_launch_bound_group_is_given_nothing_back_while_another_group_uses_its
         if i >= 600:
             b.run(t, cost=100)
         given += [e["stop_share"] for e in events(step(c, t, gs, [a, b]), "given_back")]
-    assert given == [duty.HOST_STOP_SHARE, 0.0]
+    return given
+
+
+def test_a_launch_bound_group_is_given_nothing_back_while_another_group_uses_its_device():
+    # b uncapped: no time is spare beside it
+    assert given_back_as_b_comes({"a": 50}) == [duty.HOST_STOP_SHARE, 0.0]
 
 
 def test_beside_a_capped_neighbour_a_launch_bound_group_is_given_back_what_no_cap_claims():
-    c, gs = controller({"a": 50, "b": 45}), groups(a=1, b=2)
-    a, b = Load(1), Load(2)                   # b: capped too, launching on the same device
-    t, given = 100.0, []
-    for i in range(900):
-        t += 0.01
-        a.run(t, cost=100, sync=True)
-        if i >= 600:
-            b.run(t, cost=100)
-        given += [e["stop_share"] for e in events(step(c, t, gs, [a, b]), "given_back")]
     # 5% of the device's time is no one's: a runs 55% of it at most
-    assert given == [duty.HOST_STOP_SHARE, pytest.approx(1 - 50 / 55)]
+    assert given_back_as_b_comes({"a": 50, "b": 45}) == [duty.HOST_STOP_SHARE,
+                                                         pytest.approx(1 - 50 / 55)]
+    # caps that add up to the whole device: nothing
+    assert given_back_as_b_comes({"a": 50, "b": 50}) == [duty.HOST_STOP_SHARE, 0.0]
 
 
 def test_a_giveback_of_zero_gives_nothing_back():
