@@ -204,10 +204,15 @@ TYPES: tuple[EventType, ...] = (
               lambda d: f"group {d['group']!r} device {d['device']}: " + (
                   f"launch-bound (its GPU idle by the time it synchronizes): runs "
                   f"{d['stop_share']:.0%} of its running time more for what being held costs it"
+                  + (f", out of the {d['spare_pct']:.0f}% of its device's time that no cap "
+                     "beside it claims" if d.get("spare_pct") is not None else "")
                   if d["stop_share"] > 0 else
                   f"runs {-d['stop_share']:.0%} of its running time less: measured, it does "
                   "more per second of running paced than free"
-                  if d["stop_share"] < 0 else "no longer launch-bound, or not alone" + (
+                  if d["stop_share"] < 0 else (
+                      "beside another group, where no cap leaves time unclaimed"
+                      if d.get("spare_pct") is not None else
+                      "no longer launch-bound, or not alone") + (
                       f" (its GPU busy {d['gpu_busy']:.0f}% of its running time)"
                       if d.get("gpu_busy") is not None else "") + ": held for its cap alone")),
     EventType(K.THROTTLE, "speed",

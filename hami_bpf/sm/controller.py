@@ -505,10 +505,10 @@ class SmController:
                          device=key[1], host_paced=host, hold_ms=round(quantum * 1000))
         for key, share in d.given_back:
             self._counts[f"sm_giveback_{'on' if share else 'off'}"] += 1
-            busy = d.keys[key].busy
+            kd = d.keys[key]
             self._record("throttle", "given_back", group=names.get(key[0], str(key[0])),
-                         device=key[1], stop_share=share,
-                         gpu_busy=None if busy is None else round(busy, 1))
+                         device=key[1], stop_share=share, spare_pct=kd.spare,
+                         gpu_busy=None if kd.busy is None else round(kd.busy, 1))
         for key, sample in d.measured:
             self._counts["sm_samples_measured"] += 1
             self._record("throttle", "speed", group=names.get(key[0], str(key[0])),

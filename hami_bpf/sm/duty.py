@@ -183,8 +183,7 @@ BUSY_WALL_S = 10.0         # ... looking back this far at most
 BUSY_WAIT_S = 3.0          # no reading this long after it looked launch-bound: syncs decide
 BUSY_READ_S = 0.1          # a device reading for it at most this often
 REPAY_SHARE = 0.25     # a free sample's debt is repaid at this much more per second it runs
-SAMPLE_FROM_CAP = 28.0  # caps under this are not sampled: HOST_STOP_SHARE keeps any speed from
-                        # progress.MIN_SPEED to 1 within 5 points there (a free second owes 3 at 25)
+SAMPLE_FROM_CAP = 28.0  # not sampled under this cap: HOST_STOP_SHARE is within 5 points there
 BESIDE_S = 1.0         # paced here by its syncs, active this recently: paces rare syncers beside it
 DUE_EPS_S = 1e-6       # a debt or hold this close to its end has ended (rounding of next_step)
 
@@ -248,6 +247,7 @@ class KeyDecision:
     speed: float | None = None  # its work per second of running paced, against free (measured)
     sampling: bool = False      # running free to measure its speed (progress.ProgressMeter)
     run_pct: float = 0.0        # the share of the time (percent) it may run (_Key.run_pct)
+    spare: float | None = None  # beside neighbours: its part of the time no cap claims (percent)
 
 
 @dataclass(frozen=True)
@@ -664,7 +664,7 @@ class DutyPacer:
             decisions[key] = KeyDecision(k.mode, ask, k.debt, k.probe_share, k.host_paced, quantum,
                                          k.stop_share, by_neighbour, busy,
                                          k.meter.speed if alone else None, k.meter.sampling,
-                                         k.run_pct())
+                                         k.run_pct(), spare if key in obs.shared else None)
 
         self._asked = {key[0] for key, d in decisions.items() if d.ask is not Ask.NONE}
         # Devices where a paced group runs now: another paced group there

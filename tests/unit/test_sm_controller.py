@@ -327,13 +327,14 @@ def test_a_launch_bound_group_is_said_to_be_given_back_its_stop_cost_once():
         d = step(c, t, gs, [a])
         given += events(d, "given_back")
         counts.update(d.counters)
-    assert given == [dict(group="a", device=DEV, stop_share=duty.HOST_STOP_SHARE, gpu_busy=None)]
+    assert given == [dict(group="a", device=DEV, stop_share=duty.HOST_STOP_SHARE, spare_pct=None,
+                          gpu_busy=None)]
     assert counts["sm_giveback_on"] == 1 and counts["sm_giveback_off"] == 0
 
 
-def given_back_as_b_comes(caps: dict[str, int]) -> list[float]:
+def given_back_as_b_comes(caps: dict[str, int]) -> list[tuple]:
     """a launch-bound, alone for 6 s, then b launching on its device too:
-    a's stop_share at each change."""
+    a's stop_share at each change, and the time no cap claims it came from."""
     c, gs = controller(caps), groups(a=1, b=2)
     a, b = Load(1), Load(2)
     t, given = 100.0, []
@@ -342,21 +343,23 @@ def given_back_as_b_comes(caps: dict[str, int]) -> list[float]:
         a.run(t, cost=100, sync=True)
         if i >= 600:
             b.run(t, cost=100)
-        given += [e["stop_share"] for e in events(step(c, t, gs, [a, b]), "given_back")]
+        given += [(e["stop_share"], e["spare_pct"])
+                  for e in events(step(c, t, gs, [a, b]), "given_back")]
     return given
 
 
 def test_a_launch_bound_group_is_given_nothing_back_while_another_group_uses_its_device():
     # b uncapped: no time is spare beside it
-    assert given_back_as_b_comes({"a": 50}) == [duty.HOST_STOP_SHARE, 0.0]
+    assert given_back_as_b_comes({"a": 50}) == [(duty.HOST_STOP_SHARE, None), (0.0, 0.0)]
 
 
 def test_beside_a_capped_neighbour_a_launch_bound_group_is_given_back_what_no_cap_claims():
     # 5% of the device's time is no one's: a runs 55% of it at most
-    assert given_back_as_b_comes({"a": 50, "b": 45}) == [duty.HOST_STOP_SHARE,
-                                                         pytest.approx(1 - 50 / 55)]
+    assert given_back_as_b_comes({"a": 50, "b": 45}) == [
+        (duty.HOST_STOP_SHARE, None), (pytest.approx(1 - 50 / 55), pytest.approx(5.0))]
     # caps that add up to the whole device: nothing
-    assert given_back_as_b_comes({"a": 50, "b": 50}) == [duty.HOST_STOP_SHARE, 0.0]
+    assert given_back_as_b_comes({"a": 50, "b": 50}) == [(duty.HOST_STOP_SHARE, None),
+                                                         (0.0, 0.0)]
 
 
 def test_a_giveback_of_zero_gives_nothing_back():
