@@ -138,8 +138,10 @@ class UnixGroupType(click.ParamType):
               help="A capped group whose GPU has finished its work by the time it synchronizes "
                    "(under 5% of its running time inside synchronize calls, as an LLM decode "
                    "loop) runs this share of its running time more, while no other group uses "
-                   "its GPU: being held slows such a loop by about that much. 0: held for its "
-                   "cap alone. Used until the group's speed is measured (--sm-sample-pct).")
+                   "its GPU, or beside other capped groups as far as the time their caps leave "
+                   "unclaimed goes: being held slows such a loop by about that much. 0: held "
+                   "for its cap alone. Used until the group's speed is measured "
+                   "(--sm-sample-pct).")
 @click.option("--sm-sample-pct", "sm_sample_pct", type=click.IntRange(0, 25),
               default=DEFAULT_SM_SAMPLE_PCT, show_default=True,
               help="A capped group paced by time, alone on its GPU, runs free this share of its "
