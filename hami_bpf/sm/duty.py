@@ -92,27 +92,27 @@ back, as the probes' share is: it runs cap / (1 - HOST_STOP_SHARE) of the time
 (cap 50: 58.8%), while no other group uses its device (Observation.shared):
 the time given back is then time no one else wanted, where next to a neighbour
 it would be the neighbour's (a CNN capped at 30 next to a decode loop at 70
-given it back made 20.4% of its speed), but for the time the caps there leave
-unclaimed (Observation.spare: 20% beside a neighbour at 30 for a cap of 50),
-no one's: as much of the first guess as that covers, split between the
-launch-bound groups there, whose synchronize calls alone tell it (a
-neighbour's work is in the device's utilization there). One that loses nothing
-runs that much over its cap (errs open, where it costs no one); one that loses
-what the decode loop did lands on it. How much a held decode loop loses
-changes from run to run on the H200 VM (0-23%). So that share is a first
-guess. A quiet group alone on its device (under LAUNCH_BOUND_SHARE inside
-synchronize calls, until LAUNCH_SLACK_SHARE) has its speed measured
-(sm.progress: now and then it runs free, asked for no hold,
-KeyDecision.sampling), and once known it runs cap / speed of the time
-(stop_share = 1 - speed, below 0 where it does more paced than free). What a
-sample ran over its share is kept apart (_Key.reserve) and added to its debt
-at REPAY_SHARE more per second it runs: its holds keep their length, and its
-share holds over the seconds after. Under SAMPLE_FROM_CAP nothing is sampled:
-a free second owes too much there (three seconds held at cap 25, a minute's
-repayment; three workloads capped at 25 for 30 s ran 32-37% of their free
-speed, held 64-66% of the time), and the first guess is close enough: cap x
-(speed / (1 - HOST_STOP_SHARE) - 1) is within 5 points there for any speed
-from progress.MIN_SPEED to 1.
+given it back made 20.4% of its speed). Beside neighbours it is given back as
+much of the first guess as the time their caps leave unclaimed covers
+(Observation.spare: 20% beside a neighbour at 30 for a cap of 50), split
+between the groups given some there: that time is no one's. There its
+synchronize calls alone say whether it is launch-bound (the device's
+utilization holds its neighbour's work too). One that loses nothing runs that
+much over its cap (errs open, where it costs no one); one that loses what the
+decode loop did lands on it. How much a held decode loop loses changes from
+run to run on the H200 VM (0-23%). So that share is a first guess. A quiet
+group alone on its device (under LAUNCH_BOUND_SHARE inside synchronize calls,
+until LAUNCH_SLACK_SHARE) has its speed measured (sm.progress: now and then it
+runs free, asked for no hold, KeyDecision.sampling), and once known it runs
+cap / speed of the time (stop_share = 1 - speed, below 0 where it does more
+paced than free). What a sample ran over its share is kept apart
+(_Key.reserve) and added to its debt at REPAY_SHARE more per second it runs:
+its holds keep their length, and its share holds over the seconds after. Under
+SAMPLE_FROM_CAP nothing is sampled: a free second owes too much there (three
+seconds held at cap 25, a minute's repayment; three workloads capped at 25 for
+30 s ran 32-37% of their free speed, held 64-66% of the time), and the first
+guess is close enough: cap x (speed / (1 - HOST_STOP_SHARE) - 1) is within 5
+points there for any speed from progress.MIN_SPEED to 1.
 
 Little time inside synchronize calls does not always mean a GPU idle by the
 time the loop asks: a loop whose launch queue is full waits inside its
