@@ -32,7 +32,7 @@ from ..limits import HAMI_DEFAULT_PRIORITY
 from ..throttle import (BUSY_S, LEARN_IDLE_S, TURN_PERIOD_S, UNLIMITED, Budget, Completions,
                         completion_rate, correct_rate, held_to_cap, neighbours, next_edge,
                         tick as budget_tick)
-from . import duty, guard, progress, resample
+from . import duty, guard, progress, resample, sharing
 from .alone import AloneTable
 from .turntable import TurnTable
 
@@ -483,11 +483,11 @@ class SmController:
                 caps[(g.index, dev)] = cap
             if name in obs.held:
                 held[g.index] = obs.held[name]
-        active = [k for k, t in self._last_busy.items() if now - t <= BUSY_S]
-        shared = frozenset(k for k in caps if any(a[1] == k[1] and a != k for a in active))
+        active = sharing.active(self._last_busy, now)
+        shared = frozenset(k for k in caps if sharing.beside_others(k, active))
         pobs = duty.Observation(now=now, caps=caps, held=held, turns=frozenset(self.turns),
                                 alone_held=alone_held, probe_s=obs.probe_s, shared=shared,
-                                util=obs.util, spare=duty.spare_time(caps, active), use={
+                                util=obs.util, spare=sharing.spare_time(caps, active), use={
             k: duty.Use(consumed=v[0], syncs=v[5], waiting=obs.waiting.get(k, 0), launches=v[1],
                         sync_s=v[3] / 1e9)
             for k, v in use.items() if k in caps})
@@ -657,17 +657,13 @@ class SmController:
                 cut.add(group)
             release.append(group)
 
-    def _neighbour_busy(self, key: Key, now: float) -> bool:
-        """Whether another group launched on key's device within BUSY_S."""
-        return any(k[1] == key[1] and k[0] != key[0] and now - t <= BUSY_S
-                   for k, t in self._last_busy.items())
-
     def _check_rate(self, obs: Observation, key: Key, group: str, g: Group, b: Budget,
                     held: bool, consumed: int) -> bool:
         """Check a budget-paced group's rate in free samples (sm.resample) and
         against the GPU (sm.guard), and correct it (a group held while its
         device idles is loosened at once). True: it runs free this tick."""
-        now, shared = obs.now, self._neighbour_busy(key, obs.now)
+        now = obs.now
+        shared = sharing.beside_others(key, sharing.active(self._last_busy, now))
         free, res = self.resample.step(key, now=now, consumed=consumed, held=held,
                                        alone=not shared, full_rate=b.full_rate)
         if res is not None:

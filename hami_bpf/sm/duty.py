@@ -147,7 +147,7 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Iterable, Mapping
+from typing import Mapping
 
 from . import progress
 
@@ -229,7 +229,7 @@ class Observation:
     shared: frozenset = frozenset()
     # device -> utilization (percent) where read this step (wants_util)
     util: Mapping[int, float | None] | None = None
-    # device -> the share of its time (percent) no cap claims (spare_time)
+    # device -> the share of its time (percent) no cap claims (sharing.spare_time)
     spare: Mapping[int, float] | None = None
 
 
@@ -377,18 +377,6 @@ def _busy(k: _Key, now: float, util: float | None, alone: bool) -> float | None:
         reads.popleft()
     ran = ran_from(0) if reads else 0.0
     return min((reads[-1][2] - reads[0][2]) / ran, 100.0) if ran >= BUSY_MIN_RUN_S else None
-
-
-def spare_time(caps: Mapping[tuple[int, int], float],
-               active: Iterable[tuple[int, int]]) -> dict[int, float]:
-    """Per device, the share of its time (percent) no cap claims: 100 less the
-    caps of the keys in `active` (launched there lately, capped or not), 0
-    where one of them is uncapped (it takes what it can)."""
-    claimed: dict[int, float] = collections.defaultdict(float)
-    for key in active:
-        cap = caps.get(key)
-        claimed[key[1]] += 100.0 if cap is None else cap
-    return {dev: max(0.0, 100.0 - c) for dev, c in claimed.items()}
 
 
 def _host_paced(k: _Key, window: tuple[float, float, int] | None) -> bool:

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import duty
-from ..throttle import BUSY_S
+from . import duty, sharing
 # the replay's engine: its processes, device and stepping loop
 from .replay import (_EPS, LOOP_SETTLE_S, TICK_S, Cold, Step, _Device, _longest_below, _Proc,
                      _simulate, _step_of, equivalent_time, fit, reached, replay)
@@ -43,15 +42,15 @@ class PairController:
                 self.launches[g], self.last_launch[g] = p.launches, now
         capped = [g for g, c in enumerate(self.caps) if c is not None]
         keys = [(g, 0) for g in capped]
-        active = [(g, 0) for g, t in self.last_launch.items() if now - t <= BUSY_S]
-        shared = frozenset(k for k in keys if any(a != k for a in active))
+        active = sharing.active({(g, 0): t for g, t in self.last_launch.items()}, now)
+        shared = frozenset(k for k in keys if sharing.beside_others(k, active))
         caps = {(g, 0): self.caps[g] for g in capped}
         obs = duty.Observation(
             now=now, caps=caps,
             use={(g, 0): procs[g].use() for g in capped},
             held={g: seen[g] for g in capped if seen[g] is not None},
             shared=shared, util=None if util is None else {0: util},
-            spare=duty.spare_time(caps, active))
+            spare=sharing.spare_time(caps, active))
         d = self.pacer.step(obs)
         return [_step_of(d, k) for k in keys], d.next_step
 

@@ -8,7 +8,7 @@ import random
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from hami_bpf.sm import duty
+from hami_bpf.sm import duty, sharing
 from hami_bpf.sm.duty import Ask, Mode, Observation, Use
 from smexpect import allowed
 
@@ -856,12 +856,12 @@ def test_beside_a_neighbour_with_no_time_spare_nothing_is_given_back():
 
 def test_spare_time_is_what_no_active_group_claims_and_none_beside_an_uncapped_one():
     caps = {(0, 0): 30.0, (1, 0): 50.0, (0, 1): 40.0}
-    assert duty.spare_time(caps, [(0, 0), (1, 0)]) == {0: 20.0}
-    assert duty.spare_time(caps, [(0, 0), (1, 0), (0, 1)]) == {0: 20.0, 1: 60.0}
+    assert sharing.spare_time(caps, [(0, 0), (1, 0)]) == {0: 20.0}
+    assert sharing.spare_time(caps, [(0, 0), (1, 0), (0, 1)]) == {0: 20.0, 1: 60.0}
     # a group with no cap on the device takes what it can
-    assert duty.spare_time(caps, [(0, 0), (2, 0)]) == {0: 0.0}
-    assert duty.spare_time(caps, [(0, 0), (1, 1)]) == {0: 70.0, 1: 0.0}
-    assert duty.spare_time({(0, 0): 70.0, (1, 0): 50.0}, [(0, 0), (1, 0)]) == {0: 0.0}
+    assert sharing.spare_time(caps, [(0, 0), (2, 0)]) == {0: 0.0}
+    assert sharing.spare_time(caps, [(0, 0), (1, 1)]) == {0: 70.0, 1: 0.0}
+    assert sharing.spare_time({(0, 0): 70.0, (1, 0): 50.0}, [(0, 0), (1, 0)]) == {0: 0.0}
 
 
 def test_a_quiet_loop_between_idle_and_busy_keeps_what_it_was():

@@ -1,0 +1,33 @@
+"""Who shares a device: the groups that launched there lately, and the share
+of its time their caps leave unclaimed. Pure; the SM controller and the pair
+replay (sm.pairs) both ask it, so the two agree on who is a neighbour."""
+from __future__ import annotations
+
+import collections
+from typing import Iterable, Mapping
+
+from ..throttle import BUSY_S
+
+Key = tuple[int, int]      # (group index, device)
+
+
+def active(last_launch: Mapping[Key, float], now: float) -> list[Key]:
+    """The keys whose last launch (`last_launch`: key -> when) was within
+    throttle.BUSY_S of `now`."""
+    return [k for k, t in last_launch.items() if now - t <= BUSY_S]
+
+
+def beside_others(key: Key, active_keys: Iterable[Key]) -> bool:
+    """Whether another group is among `active_keys` on key's device."""
+    return any(a[1] == key[1] and a[0] != key[0] for a in active_keys)
+
+
+def spare_time(caps: Mapping[Key, float], active_keys: Iterable[Key]) -> dict[int, float]:
+    """Per device, the share of its time (percent) no cap claims: 100 less the
+    caps of `active_keys` (capped or not), 0 where one of them is uncapped (it
+    takes what it can)."""
+    claimed: dict[int, float] = collections.defaultdict(float)
+    for key in active_keys:
+        cap = caps.get(key)
+        claimed[key[1]] += 100.0 if cap is None else cap
+    return {dev: max(0.0, 100.0 - c) for dev, c in claimed.items()}
