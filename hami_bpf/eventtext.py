@@ -111,6 +111,25 @@ def _memory_limit(d: Mapping) -> str:
     return f"group {d['group']!r} device {d['device']}: {limit}"
 
 
+def _given_back(d: Mapping) -> str:
+    head = f"group {d['group']!r} device {d['device']}: "
+    spare = d.get("spare_pct")     # beside other groups: the time no cap claims
+    if d["stop_share"] > 0:
+        return head + (
+            f"launch-bound (its GPU idle by the time it synchronizes): runs "
+            f"{d['stop_share']:.0%} of its running time more for what being held costs it"
+            + (f", out of the {spare:.0f}% of its device's time that no cap beside it claims"
+               if spare is not None else ""))
+    if d["stop_share"] < 0:
+        return head + (f"runs {-d['stop_share']:.0%} of its running time less: measured, it "
+                       "does more per second of running paced than free")
+    why = ("beside another group, where no cap leaves time unclaimed" if spare is not None
+           else "no longer launch-bound, or not alone")
+    if d.get("gpu_busy") is not None:
+        why += f" (its GPU busy {d['gpu_busy']:.0f}% of its running time)"
+    return head + why + ": held for its cap alone"
+
+
 def _sm_cap(d: Mapping) -> str:
     cap = "no SM cap" if d["sm"] is None else f"SM cap {d['sm']}%"
     return f"group {d['group']!r} device {d['device']}: {cap}"
@@ -200,21 +219,7 @@ TYPES: tuple[EventType, ...] = (
                   "less often (such a loop runs slower for a while after each stop)"
                   if d["host_paced"] else
                   f"it waits for the GPU: held {d['hold_ms']} ms at a time again")),
-    EventType(K.THROTTLE, "given_back", ("group", "device", "stop_share"),
-              lambda d: f"group {d['group']!r} device {d['device']}: " + (
-                  f"launch-bound (its GPU idle by the time it synchronizes): runs "
-                  f"{d['stop_share']:.0%} of its running time more for what being held costs it"
-                  + (f", out of the {d['spare_pct']:.0f}% of its device's time that no cap "
-                     "beside it claims" if d.get("spare_pct") is not None else "")
-                  if d["stop_share"] > 0 else
-                  f"runs {-d['stop_share']:.0%} of its running time less: measured, it does "
-                  "more per second of running paced than free"
-                  if d["stop_share"] < 0 else (
-                      "beside another group, where no cap leaves time unclaimed"
-                      if d.get("spare_pct") is not None else
-                      "no longer launch-bound, or not alone") + (
-                      f" (its GPU busy {d['gpu_busy']:.0f}% of its running time)"
-                      if d.get("gpu_busy") is not None else "") + ": held for its cap alone")),
+    EventType(K.THROTTLE, "given_back", ("group", "device", "stop_share"), _given_back),
     EventType(K.THROTTLE, "speed",
               ("group", "device", "free_hz", "paced_hz", "ratio", "speed", "run_pct"),
               lambda d: f"group {d['group']!r} device {d['device']}: paced, it launches "
