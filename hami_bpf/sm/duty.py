@@ -175,6 +175,7 @@ GPU_PACED_SHARE = 0.6  # running time inside synchronize calls from which it is 
 LAUNCH_BOUND_SHARE = 0.05  # running time inside synchronize calls under which the GPU idles as it runs
 LAUNCH_SLACK_SHARE = 0.1   # ... and from which its launching thread has slack again
 HOST_STOP_SHARE = 0.15     # a launch-bound group's running time given back for what being held costs it
+SPARE_STEP = 0.01          # ... out of unclaimed time: kept until it moves this much
 LAUNCH_IDLE_BUSY = 35.0    # device busy under this much of its running time (percent): launch-bound
 LAUNCH_BOUND_BUSY = 50.0   # ... this much or more: not
 BUSY_RUN_S = 1.0           # ... over the last readings in which it ran this long
@@ -612,6 +613,8 @@ class DutyPacer:
             elif spare > 0 and k.launch_bound and mode is Mode.DUTY and not by_neighbour:
                 most = 1.0 - k.cap / ((1.0 - k.probe_share) * min(k.cap + spare, 99.0))
                 stop_share = min(self.host_stop_share, max(most, 0.0))
+                if k.stop_share > 0 and abs(stop_share - k.stop_share) < SPARE_STEP:
+                    stop_share = k.stop_share   # the probes' share moves it every step
             if stop_share != k.stop_share and sample is None:
                 given.append((key, stop_share))     # a measurement says so itself
             k.stop_share = stop_share

@@ -771,7 +771,8 @@ def test_a_change_of_slices_is_reported_once_each_way():
 NVML_PERIOD_S = 1 / 6     # NVML's utilization: the busy share of its last sample period
 
 
-def always_running(p, cap, waited, seconds=20.0, dt=0.002, util=None, said=None, spare=None):
+def always_running(p, cap, waited, seconds=20.0, dt=0.002, util=None, said=None, spare=None,
+                   launches=None, probe_s=0.0):
     """A group always active that stops at once when asked, spending `waited`
     of its running time inside synchronize calls (a synchronize per step).
     Returns (percent of the time it ran once what it is given back is known,
@@ -781,8 +782,10 @@ def always_running(p, cap, waited, seconds=20.0, dt=0.002, util=None, said=None,
     without, no reading comes, and what it is given back is known
     BUSY_WAIT_S after its first window. `said`: (time, stop_share) of each
     change is appended. `spare`: beside a neighbour, on a device of which
-    that share of the time (percent) no cap claims."""
-    t, n, sync_s, since = 0.0, 0, 0.0, None
+    that share of the time (percent) no cap claims. `launches`: a function
+    giving the launches of each step it runs (none without), each costing
+    `probe_s` of host time in the launch probe."""
+    t, n, sync_s, since, launched = 0.0, 0, 0.0, None, 0
     ran = total = 0.0
     kd = None
     settled = 2.0 + duty.BUSY_WAIT_S
@@ -792,6 +795,7 @@ def always_running(p, cap, waited, seconds=20.0, dt=0.002, util=None, said=None,
         if since is None:
             n += 1
             sync_s += dt * waited
+            launched += launches() if launches else 0
             if t > settled:
                 ran += dt
         if t > settled:
@@ -801,8 +805,9 @@ def always_running(p, cap, waited, seconds=20.0, dt=0.002, util=None, said=None,
         if util is not None and KEY[1] in p.wants_util(t):
             read = {KEY[1]: util * sum(recent) / len(recent)}
         beside = {} if spare is None else {"shared": frozenset({KEY}), "spare": {KEY[1]: spare}}
-        d = p.step(Observation(t, {KEY: cap}, {KEY: Use(n, n, sync_s=sync_s)},
-                               {KEY[0]: since} if since is not None else {}, util=read, **beside))
+        d = p.step(Observation(t, {KEY: cap}, {KEY: Use(n, n, launches=launched, sync_s=sync_s)},
+                               {KEY[0]: since} if since is not None else {}, util=read,
+                               probe_s=probe_s, **beside))
         kd = d.keys[KEY]
         if said is not None:
             said.extend((t, share) for key, share in d.given_back if key == KEY)
@@ -846,6 +851,19 @@ def test_beside_a_neighbour_a_launch_bound_group_is_given_back_only_time_no_cap_
     share, stop_share = always_running(duty.DutyPacer(), cap, 0.0, spare=spare)
     assert stop_share == pytest.approx(min(duty.HOST_STOP_SHARE, 1 - cap / (cap + spare)))
     assert abs(share - min(allowed(cap), cap + spare)) <= 2.0, share
+
+
+def test_what_is_given_back_out_of_unclaimed_time_is_said_when_it_moves_a_point_not_each_step():
+    # The launch probes' share of its running time moves with its launch
+    # rate at every step, and with it the share that fills the unclaimed time.
+    rng = random.Random(7)
+    said = []
+    share, stop_share = always_running(duty.DutyPacer(), 50, 0.0, spare=10.0, said=said,
+                                       launches=lambda: rng.randint(0, 80), probe_s=2e-6)
+    assert 0 < len(said) <= 3, said
+    exact = 1 - 50 / ((1 - 0.02) * 60)      # 20,000 launches a second of 2 µs
+    assert abs(stop_share - exact) < 2 * duty.SPARE_STEP, stop_share
+    assert abs(share - 60) <= 2.0, share
 
 
 def test_beside_a_neighbour_with_no_time_spare_nothing_is_given_back():
