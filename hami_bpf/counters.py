@@ -47,7 +47,8 @@ DAEMON_COUNTERS: tuple[str, ...] = (
 
 # Counter families whose suffix is a value (a reason, a mode, a bucket).
 DAEMON_COUNTER_PREFIXES: tuple[str, ...] = ("sm_corrections_", "sm_mode_", "sm_slices_",
-                                             "sm_giveback_", "sm_samples_", "exit_latency_")
+                                             "sm_giveback_", "sm_overlap_", "sm_samples_",
+                                             "exit_latency_")
 
 
 def known(name: str) -> bool:

@@ -220,6 +220,11 @@ TYPES: tuple[EventType, ...] = (
                   if d["host_paced"] else
                   f"it waits for the GPU: held {d['hold_ms']} ms at a time again")),
     EventType(K.THROTTLE, "given_back", ("group", "device", "stop_share"), _given_back),
+    EventType(K.THROTTLE, "overlap", ("group", "device", "overlap"),
+              lambda d: f"group {d['group']!r} device {d['device']}: " + (
+                  "launch-bound beside launch-bound groups only: runs beside them, without "
+                  "turns, and is given back what being held costs it" if d["overlap"] else
+                  "takes turns with the groups beside it again")),
     EventType(K.THROTTLE, "speed",
               ("group", "device", "free_hz", "paced_hz", "ratio", "speed", "run_pct"),
               lambda d: f"group {d['group']!r} device {d['device']}: paced, it launches "

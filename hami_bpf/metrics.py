@@ -71,6 +71,9 @@ _SM_LABELLED = (
     ("hami_bpf_sm_giveback_changes", "sm_giveback_",
      "Groups paced by time that began to run a share of their running time more because "
      "they are launch-bound and being held slows them (on), or stopped (off).", "state"),
+    ("hami_bpf_sm_overlap_changes", "sm_overlap_",
+     "Launch-bound groups paced by time that began to run beside launch-bound groups only, "
+     "without taking turns with them (on), or stopped (off).", "state"),
     ("hami_bpf_sm_speed_samples", "sm_samples_",
      "Free samples of groups paced by time, run to measure their work per second of running "
      "against free (measured), or interrupted before they measured anything (dropped); "

@@ -487,7 +487,8 @@ class SmController:
         shared = frozenset(k for k in caps if sharing.beside_others(k, active))
         pobs = duty.Observation(now=now, caps=caps, held=held, turns=frozenset(self.turns),
                                 alone_held=alone_held, probe_s=obs.probe_s, shared=shared,
-                                util=obs.util, spare=sharing.spare_time(caps, active), use={
+                                util=obs.util, spare=sharing.spare_time(caps, active),
+                                active=frozenset(active), use={
             k: duty.Use(consumed=v[0], syncs=v[5], waiting=obs.waiting.get(k, 0), launches=v[1],
                         sync_s=v[3] / 1e9)
             for k, v in use.items() if k in caps})
@@ -517,8 +518,11 @@ class SmController:
                          after_hz=round(sample.after_hz, 1), ratio=round(sample.ratio, 3),
                          speed=round(sample.speed, 3),
                          run_pct=round(d.keys[key].run_pct, 1))
-        for key in d.dropped:
-            self._counts["sm_samples_dropped"] += 1
+        self._counts.update(["sm_samples_dropped"] * len(d.dropped))
+        for key, on in d.overlaps:
+            self._counts[f"sm_overlap_{'on' if on else 'off'}"] += 1
+            self._record("throttle", "overlap", group=names.get(key[0], str(key[0])),
+                         device=key[1], overlap=on)
         for key, now_hz, was_hz in d.forgotten:
             self._counts["sm_samples_forgotten"] += 1
             self._record("throttle", "speed_forgotten", group=names.get(key[0], str(key[0])),

@@ -30,11 +30,10 @@ outlasts its debt, because the daemon's turn came late or a neighbour ran, is
 credited up to its hold bound) and a ceiling (MAX_DEBT_S). Once debt reaches
 QUANTUM_S the group is asked to stop at its next synchronize's return (BPF,
 `hold_at_sync`); if none comes within FORCE_AFTER_S, at its next launch. A
-held group is released once its debts are paid and no other paced group runs
-on its devices (their turns do not overlap: two processes time-slicing a GPU
-get less done than either alone), and after its hold bound whatever they say
-(MAX_HOLD_S; longer for a host-paced group, below): a hold never outlives
-that, so a wrong estimate can only let a group run more. A hold it asked for
+held group is released once its debts are paid and it is its turn
+(sm.handoff: launch-bound groups run beside each other, others take turns),
+and after its hold bound (MAX_HOLD_S; longer for a host-paced group, below)
+whatever they say. A hold it asked for
 stays its to end when the group leaves DUTY mode or loses its cap while held
 (it is released then: its debts are forgiven).
 
@@ -95,9 +94,12 @@ it would be the neighbour's (a CNN capped at 30 next to a decode loop at 70
 given it back made 20.4% of its speed). Beside neighbours it is given back as
 much of the first guess as the time their caps leave unclaimed covers
 (Observation.spare: 20% beside a neighbour at 30 for a cap of 50), split
-between the groups given some there: that time is no one's. There its
-synchronize calls alone say whether it is launch-bound (the device's
-utilization holds its neighbour's work too). One that loses nothing runs that
+between the groups given some there: that time is no one's. Beside
+launch-bound groups only (KeyDecision.overlap) it is given it all: they run
+beside each other (sm.handoff), and the time is not theirs. There the
+device's utilization while it runs holds theirs too: under LAUNCH_IDLE_BUSY
+it says the group is launch-bound, and more says nothing; with no reading,
+its synchronize calls decide where time is unclaimed. One that loses nothing runs that
 much over its cap (errs open, where it costs no one); one that loses what the
 decode loop did lands on it. How much a held decode loop loses changes from
 run to run on the H200 VM (0-23%). So that share is a first guess. A quiet
@@ -146,10 +148,9 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
-from enum import Enum
-from typing import Mapping
 
-from . import progress
+from . import handoff, progress
+from .dutyio import Ask, Decision, KeyDecision, Mode, Observation, Use
 
 QUANTUM_S = 0.05       # debt at which a hold is asked for
 FORCE_AFTER_S = 0.15   # asked this long with no synchronize's return: stop at the next launch
@@ -166,7 +167,6 @@ UNPACED_HZ = 10.0      # ... and below which it goes back to the launch budget
 BUDGET_STAY_S = 5.0    # back with the budget for synchronizing rarely: its holds count as running
 BUDGET_STAY_MAX_S = 60.0   # ... doubled at each return, at most this
 MAX_STEP_S = 0.5       # a longer gap between steps (a stalled controller) counts as this
-DUTY_WAIT_S = 0.005    # a group waiting for another's turn to end looks again this soon
 MAX_PROBE_SHARE = 0.2  # the launch probe's part of a group's running time taken into account at most
 WAITED_SHARE = 0.5     # running time inside synchronize calls from which the GPU sets the pace
 HOST_RUN_S = 0.2       # running between holds, at least, for a group its launching thread paces
@@ -183,92 +183,10 @@ BUSY_MIN_RUN_S = 0.5       # ... or at least this long
 BUSY_WALL_S = 10.0         # ... looking back this far at most
 BUSY_WAIT_S = 3.0          # no reading this long after it looked launch-bound: syncs decide
 BUSY_READ_S = 0.1          # a device reading for it at most this often
+LIGHT_AFTER_S = 1.0        # launch-bound and quiet this long: runs beside its kind (handoff)
 REPAY_SHARE = 0.25     # a free sample's debt is repaid at this much more per second it runs
 SAMPLE_FROM_CAP = 28.0  # not sampled under this cap: HOST_STOP_SHARE is within 5 points there
 BESIDE_S = 1.0         # paced here by its syncs, active this recently: paces rare syncers beside it
-DUE_EPS_S = 1e-6       # a debt or hold this close to its end has ended (rounding of next_step)
-
-
-class Mode(str, Enum):
-    BUDGET = "budget"   # launch budget (hami_bpf.throttle)
-    DUTY = "duty"       # held at synchronize returns for (100 - cap)% of the time
-
-
-class Ask(str, Enum):
-    NONE = "none"       # run
-    SYNC = "sync"       # stop at the next synchronize's return
-    LAUNCH = "launch"   # stop at the next launch (no synchronize came)
-
-
-@dataclass(frozen=True)
-class Use:
-    """What the probes counted for one (group, device): sm_use."""
-    consumed: int       # cost units launched in total
-    syncs: int          # synchronize calls that returned
-    waiting: int = 0    # threads inside a synchronize call now (sync_at entries)
-    launches: int = 0   # launches counted by the probes
-    sync_s: float = 0.0     # seconds its threads spent inside synchronize calls that returned
-
-
-@dataclass(frozen=True)
-class Observation:
-    now: float                                  # monotonic seconds
-    caps: Mapping[tuple[int, int], float]       # (group index, device) -> cap percent
-    use: Mapping[tuple[int, int], Use]
-    held: Mapping[int, float]                   # group index -> held since (monotonic)
-    # keys whose launch budget takes turns with other groups' on their device:
-    # their holds are the turns' time slices, which count as running here
-    turns: frozenset = frozenset()
-    # keys held while another group learns its rate alone on their device
-    # (sm.alone): not their pacing either, so those holds count as running
-    # here too (a few milliseconds run before such a hold would otherwise
-    # make a synchronize rate of hundreds a second, and DUTY mode)
-    alone_held: frozenset = frozenset()
-    probe_s: float = 0.0    # host time the launch probe adds to each launch (measured at start)
-    # keys whose device another group launched on lately: nothing is given
-    # back there for being held (it would be the neighbour's time)
-    shared: frozenset = frozenset()
-    # device -> utilization (percent) where read this step (wants_util)
-    util: Mapping[int, float | None] | None = None
-    # device -> the share of its time (percent) no cap claims (sharing.spare_time)
-    spare: Mapping[int, float] | None = None
-
-
-@dataclass(frozen=True)
-class KeyDecision:
-    mode: Mode
-    ask: Ask
-    debt: float
-    probe_share: float = 0.0    # the probes' part of its running time, given back as running
-    host_paced: bool = False    # its launching thread sets its pace: held in longer slices
-    quantum: float = QUANTUM_S  # the debt at which it is asked to stop (its hold's length)
-    stop_share: float = 0.0     # its running time given back for what being held costs it (launch-bound)
-    beside: bool = False        # in DUTY mode only for a neighbour paced by its synchronizes
-    busy: float | None = None   # its device's utilization per second it ran, alone there (percent)
-    speed: float | None = None  # its work per second of running paced, against free (measured)
-    sampling: bool = False      # running free to measure its speed (progress.ProgressMeter)
-    run_pct: float = 0.0        # the share of the time (percent) it may run (_Key.run_pct)
-    spare: float | None = None  # beside neighbours: its part of the time no cap claims (percent)
-
-
-@dataclass(frozen=True)
-class Decision:
-    keys: Mapping[tuple[int, int], KeyDecision]
-    release: frozenset[int]                     # held groups to resume now
-    cut_short: frozenset[int]                   # ... of them, released with debt left (hold bound)
-    mode_changes: tuple[tuple[tuple[int, int], Mode], ...]
-    next_step: float | None                     # when a held group's debt is paid
-    # (key, host-paced, its quantum) where a key in DUTY mode changed slices
-    slice_changes: tuple[tuple[tuple[int, int], bool, float], ...] = ()
-    # (key, its stop_share now) where what it is given back for being held changed
-    given_back: tuple[tuple[tuple[int, int], float], ...] = ()
-    # (key, the sample) where a free sample measured a group's speed
-    measured: tuple[tuple[tuple[int, int], progress.Sample], ...] = ()
-    # keys whose free sample was interrupted and measured nothing
-    dropped: tuple[tuple[int, int], ...] = ()
-    # (key, paced launch rate now, at its last reading) where the loop changed
-    # phase and its speed readings were forgotten (progress.NEW_PHASE)
-    forgotten: tuple[tuple[tuple[int, int], float, float], ...] = ()
 
 
 @dataclass
@@ -301,9 +219,16 @@ class _Key:
     quiet: bool = False         # ... in the last window, whatever the device said
     quiet_since: float = 0.0    # ... since (or since a neighbour was last seen)
     sampled: bool = False       # quiet, until LAUNCH_SLACK_SHARE: its speed is measured
-    # device readings while it was alone there: (time, held_s then, the
-    # utilization integrated over time up to then, percent-seconds)
+    # device readings: (time, held_s then, the utilization integrated up to
+    # then, percent-seconds), over wall time alone on its device, over its
+    # running time beside others (where they bound its own from above)
     busy_reads: collections.deque = field(default_factory=collections.deque)
+    busy_alone: bool = True
+    # beside others, its last readings under LAUNCH_IDLE_BUSY (until
+    # LAUNCH_BOUND_BUSY), kept while others come and go
+    beside_light: bool = False
+    light_since: float | None = None    # _light: launch-bound and quiet since
+    overlap: bool = False       # KeyDecision.overlap
     meter: progress.ProgressMeter = field(default_factory=progress.ProgressMeter)
     reserve: float = 0.0        # debt of its free samples, repaid over the seconds after
 
@@ -359,18 +284,27 @@ def _window(k: _Key, now: float, u: Use) -> tuple[float, float, int] | None:
     return ran, (u.sync_s - m[4]) / ran, u.launches - m[3]
 
 
+def _light(k: _Key) -> bool:
+    """Paced by its own synchronizes, launch-bound and quiet for LIGHT_AFTER_S
+    (sm.handoff): a phase that waits for the GPU ends it at once."""
+    return k.light_since is not None and k.t - k.light_since >= LIGHT_AFTER_S
+
+
 def _busy(k: _Key, now: float, util: float | None, alone: bool) -> float | None:
     """Its device's utilization per second the group ran (percent, at most
-    100) over its last BUSY_RUN_S of running, from readings taken while it
-    was alone there; None when too little was read."""
+    100) over its last BUSY_RUN_S of running; None when too little was read.
+    Beside other groups only the readings' parts while it ran count, and
+    theirs is in them too: its own is at most that."""
     reads = k.busy_reads
-    if not alone or k.mode is not Mode.DUTY:
+    if k.mode is not Mode.DUTY or alone != k.busy_alone:
         reads.clear()
+        k.busy_alone = alone
+    if k.mode is not Mode.DUTY:
         return None
     if util is not None and (not reads or now - reads[-1][0] >= BUSY_READ_S):
         # A reading covers the time since the one before.
-        busy = reads[-1][2] + util * (now - reads[-1][0]) if reads else 0.0
-        reads.append((now, k.held_s, busy))
+        span = (now - reads[-1][0]) - (0.0 if alone else k.held_s - reads[-1][1]) if reads else 0
+        reads.append((now, k.held_s, reads[-1][2] + util * span if reads else 0.0))
 
     def ran_from(i: int) -> float:
         return (reads[-1][0] - reads[i][0]) - (reads[-1][1] - reads[i][1])
@@ -456,6 +390,13 @@ class DutyPacer:
         k = self._keys.get(key)
         return 0.0 if k is None else k.reserve
 
+    def _beside_light(self, key: tuple[int, int], active: frozenset | None) -> bool:
+        """Whether every other group that launched on key's device lately is
+        paced here by its own synchronizes and launch-bound (uncapped ones
+        are not known to be)."""
+        others = [o for o in active or () if o[1] == key[1] and o[0] != key[0]]
+        return bool(others) and all(o in self._keys and _light(self._keys[o]) for o in others)
+
     def _quantum(self, k: _Key) -> float:
         """The debt at which a group is asked to stop: how long it is held."""
         if not (k.host_paced and k.mode is Mode.DUTY):
@@ -506,6 +447,7 @@ class DutyPacer:
         measured: list[tuple[tuple[int, int], progress.Sample]] = []
         dropped: list[tuple[int, int]] = []
         forgotten: list[tuple[tuple[int, int], float, float]] = []
+        overlaps: list[tuple[tuple[int, int], bool]] = []
         # The groups paced here by their own synchronizes (as of the last
         # step) and when each was last active: beside one of them, on its
         # device, a group that synchronizes rarely is paced here too.
@@ -578,6 +520,11 @@ class DutyPacer:
             spare = ((obs.spare or {}).get(key[1], 0.0) / max(1, sharers[key[1]])
                      if key in obs.shared else 0.0)
             busy = _busy(k, now, (obs.util or {}).get(key[1]), key not in obs.shared)
+            if not k.busy_alone:
+                if busy is not None:
+                    k.beside_light = busy < (LAUNCH_BOUND_BUSY if k.beside_light
+                                             else LAUNCH_IDLE_BUSY)
+                busy = None     # theirs is in it: only whether it runs beside them
             gpu_busy = busy is not None and busy >= LAUNCH_BOUND_BUSY
             gpu_idle = busy is None or busy < LAUNCH_IDLE_BUSY
             if window is not None:
@@ -591,7 +538,8 @@ class DutyPacer:
                     k.sampled = False
             # Not before the device has been read, or no reading came: the
             # synchronize calls alone decide then.
-            known = busy is not None or not k.busy_reads and now - k.quiet_since >= BUSY_WAIT_S
+            known = busy is not None or not (k.busy_alone and k.busy_reads) \
+                and now - k.quiet_since >= BUSY_WAIT_S
             if window is not None and k.quiet and gpu_idle and known:
                 k.launch_bound = True
             elif window is not None and window[1] >= LAUNCH_SLACK_SHARE or gpu_busy:
@@ -606,11 +554,21 @@ class DutyPacer:
                 dropped.append(key)
             if k.meter.phases != phases:
                 forgotten.append((key, *k.meter.new_phase))
-            stop_share = (self.host_stop_share if k.launch_bound and alone else 0.0)
-            if alone and k.sampled and k.meter.speed is not None:
+            # beside launch-bound groups only: no turns, so what it is given back
+            # is not taken from them (sm.handoff)
+            light = (mode is Mode.DUTY and not by_neighbour and k.quiet
+                     and (k.launch_bound if k.busy_alone else k.beside_light))
+            k.light_since = (now if k.light_since is None else k.light_since) if light else None
+            overlap = key in obs.shared and _light(k) and self._beside_light(key, obs.active)
+            if overlap != k.overlap:
+                k.overlap = overlap
+                overlaps.append((key, overlap))
+            stop_share = (self.host_stop_share if k.launch_bound and alone or overlap else 0.0)
+            if (alone or overlap) and k.sampled and k.meter.speed is not None:
                 # measured: what it does per second of running, against free
                 stop_share = 1.0 - k.meter.speed
-            elif spare > 0 and k.launch_bound and mode is Mode.DUTY and not by_neighbour:
+            elif spare > 0 and k.launch_bound and mode is Mode.DUTY and not by_neighbour \
+                    and not overlap:
                 most = 1.0 - k.cap / ((1.0 - k.probe_share) * min(k.cap + spare, 99.0))
                 stop_share = min(self.host_stop_share, max(most, 0.0))
                 if k.stop_share > 0 and abs(stop_share - k.stop_share) < SPARE_STEP:
@@ -653,39 +611,30 @@ class DutyPacer:
             else:
                 k.asked_since = None
             decisions[key] = KeyDecision(k.mode, ask, k.debt, k.probe_share, k.host_paced, quantum,
-                                         k.stop_share, by_neighbour, busy,
+                                         k.stop_share, by_neighbour,
+                                         busy,
                                          k.meter.speed if alone else None, k.meter.sampling,
-                                         k.run_pct(), spare if key in obs.shared else None)
+                                         k.run_pct(), spare if key in obs.shared else None,
+                                         overlap)
 
         self._asked = {key[0] for key, d in decisions.items() if d.ask is not Ask.NONE}
-        # Devices where a paced group runs now: another paced group there
-        # waits for it to stop, so their turns do not overlap (two processes
-        # time-slicing a GPU get less done than either alone).
-        running = {key[1] for key, k in self._keys.items()
-                   if k.mode is Mode.DUTY and key[0] not in obs.held
-                   and now - k.last_active <= ACTIVE_GRACE_S}
-        release, cut, next_step = set(), set(), None
-        for gi, since in sorted(obs.held.items(), key=lambda kv: kv[1]):
-            mine = {key: k for key, k in self._keys.items()
-                    if key[0] == gi and k.mode is Mode.DUTY}
-            if not mine and gi not in self._holding:
-                continue    # held by the launch budget, or by someone else's rule
-            owed = max((k.debt for k in mine.values()), default=0.0)
-            devices = {key[1] for key in mine}
-            bound = self._bound_of(mine.values())
-            if now - since >= bound - DUE_EPS_S:
-                release.add(gi)
-                if owed > DUE_EPS_S or devices & running:
-                    cut.add(gi)
-                running |= devices
-            elif owed <= DUE_EPS_S and not devices & running:
-                release.add(gi)
-                running |= devices
-            else:
-                due = now + min(max(owed, DUTY_WAIT_S), bound - (now - since))
-                next_step = due if next_step is None else min(next_step, due)
+        running = handoff.Running.of(
+            (key[1], _light(k)) for key, k in self._keys.items()
+            if k.mode is Mode.DUTY and key[0] not in obs.held
+            and now - k.last_active <= ACTIVE_GRACE_S)
+        paced = {}
+        for gi in obs.held:
+            mine = [(key, k) for key, k in self._keys.items()
+                    if key[0] == gi and k.mode is Mode.DUTY]
+            if mine or gi in self._holding:
+                paced[gi] = handoff.Paced(
+                    owed=max((k.debt for _, k in mine), default=0.0),
+                    devices=frozenset(key[1] for key, _ in mine),
+                    bound=self._bound_of(k for _, k in mine),
+                    light=all(_light(k) for _, k in mine))
+        release, cut, next_step = handoff.release(now, obs.held, paced, running)
         return Decision(keys=decisions, release=frozenset(release), cut_short=frozenset(cut),
                         mode_changes=tuple(changes), next_step=next_step,
                         slice_changes=tuple(slices), given_back=tuple(given),
                         measured=tuple(measured), dropped=tuple(dropped),
-                        forgotten=tuple(forgotten))
+                        forgotten=tuple(forgotten), overlaps=tuple(overlaps))

@@ -50,7 +50,7 @@ class PairController:
             use={(g, 0): procs[g].use() for g in capped},
             held={g: seen[g] for g in capped if seen[g] is not None},
             shared=shared, util=None if util is None else {0: util},
-            spare=sharing.spare_time(caps, active))
+            spare=sharing.spare_time(caps, active), active=frozenset(active))
         d = self.pacer.step(obs)
         return [_step_of(d, k) for k in keys], d.next_step
 

@@ -432,3 +432,33 @@ def test_a_quiet_group_whose_device_is_busy_is_read_and_given_nothing_back():
         given += events(step(c, t, gs, [a], util=util), "given_back")
     assert 0 < reads <= 3.0 / duty.BUSY_READ_S + 1
     assert given == []
+
+
+def overlap_events(util_pct: float) -> tuple[list, collections.Counter]:
+    """a at 30 and b at 70 on one device, both launch-bound from the start
+    (100 synchronizes a second of running, no time inside them), the device
+    read as `util_pct` busy whenever asked: their overlap events and counters."""
+    c, gs = controller({"a": 30, "b": 70}), groups(a=1, b=2)
+    a, b = Load(1), Load(2)
+    t, said, counts = 100.0, [], collections.Counter()
+    for _ in range(800):
+        t += 0.01
+        a.run(t, cost=100, sync=True)
+        b.run(t, cost=100, sync=True)
+        util = {DEV: util_pct} if c.wants(t, {a.key: a.use(), b.key: b.use()}, gs).util else None
+        d = step(c, t, gs, [a, b], util=util)
+        said += events(d, "overlap")
+        counts.update(d.counters)
+    return said, counts
+
+
+def test_two_launch_bound_groups_are_said_to_run_beside_each_other():
+    said, counts = overlap_events(20.0)
+    assert sorted(said, key=lambda e: e["group"]) == [
+        dict(group="a", device=DEV, overlap=True), dict(group="b", device=DEV, overlap=True)]
+    assert counts["sm_overlap_on"] == 2 and counts["sm_overlap_off"] == 0
+
+
+def test_groups_whose_device_reads_busy_take_turns_and_nothing_is_said():
+    said, counts = overlap_events(80.0)
+    assert said == [] and counts["sm_overlap_on"] == 0

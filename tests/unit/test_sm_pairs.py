@@ -178,3 +178,19 @@ def test_the_pair_command_slows_the_side_it_is_told_and_takes_uncapped_sides(cap
     # the CNN slowed by its holds lands lower than where only the decode loop was
     assert float(first.split("cnn_train cap 30:")[1].split()[0]) < \
         float(lines[1].split("cnn_train cap 30:")[1].split()[0])
+
+
+@pytest.mark.parametrize("a,b,caps", (("bert_infer", "llm_decode", (30, 70)),
+                                      ("bert_infer", "llm_decode", (50, 50)),
+                                      ("gpt2_decode", "loader_train", (50, 50))))
+def test_launch_bound_pairs_that_a_hold_slows_run_beside_each_other_at_their_caps(a, b, caps):
+    """Each leaves the modelled GPU idle most of the time and runs 15%
+    slower whenever held: taking turns, each would land under by that; run
+    beside each other (sm.handoff) and given it back, each lands on its cap."""
+    runs, sides = _pair(a, b, caps, (HELD_LOSS, HELD_LOSS))
+    lo, hi = sides[0].window
+    assert hi - lo >= 40.0, _line(sides)
+    for s, cap in zip(sides, caps):
+        assert abs(100 * s.mean - cap) <= TOLERANCE_PTS, _line(sides)
+        assert s.below_longest_s <= FAIL_OPEN_S, _line(sides)
+    assert _overlap(_running(runs[0], lo, hi), _running(runs[1], lo, hi)) >= 0.1 * (hi - lo)
