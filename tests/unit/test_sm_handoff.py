@@ -83,7 +83,9 @@ def pair(caps, waited, busy, seconds=30.0, dt=0.002):
     synchronize calls; the device is busy `busy` percent per group running
     (together, the sum), read as NVML does whenever the pacer asks. Returns
     each one's share of the time it ran after settling (percent), the share
-    of the time both ran, the last decisions, and the overlap changes."""
+    of the time both ran, the last decisions, the overlap changes, and the
+    holds cut short after settling (released at their bound with debt left,
+    or into the other's turn)."""
     keys = [(0, 0), (1, 0)]
     n = [0, 0]
     sync_s = [0.0, 0.0]
@@ -91,7 +93,7 @@ def pair(caps, waited, busy, seconds=30.0, dt=0.002):
     ran, both, total = [0.0, 0.0], 0.0, 0.0
     settled = 4.0 + duty.BUSY_WAIT_S
     recent = collections.deque(maxlen=round(NVML_PERIOD_S / dt))
-    p, t, d, changes = duty.DutyPacer(sample_share=0.0), 0.0, None, []
+    p, t, d, changes, cut = duty.DutyPacer(sample_share=0.0), 0.0, None, [], 0
     capmap = dict(zip(keys, caps))
     while t < seconds:
         t += dt
@@ -113,27 +115,29 @@ def pair(caps, waited, busy, seconds=30.0, dt=0.002):
             shared=frozenset(keys), active=frozenset(keys),
             spare=sharing.spare_time(capmap, keys)))
         changes.extend(d.overlaps)
+        cut += len(d.cut_short) if t > settled else 0
         for i, k in enumerate(keys):
             if since[i] is not None and i in d.release:
                 since[i] = None
             elif since[i] is None and d.keys[k].ask is not Ask.NONE:
                 since[i] = t
-    return [100 * r / total for r in ran], 100 * both / total, d, changes
+    return [100 * r / total for r in ran], 100 * both / total, d, changes, cut
 
 
 def test_two_launch_bound_groups_run_beside_each_other_each_given_back_its_holds_cost():
     caps = (30.0, 70.0)
-    shares, both, d, changes = pair(caps, waited=(0.01, 0.01), busy=(14.0, 14.0))
+    shares, both, d, changes, cut = pair(caps, waited=(0.01, 0.01), busy=(14.0, 14.0))
     for k, cap, share in zip(((0, 0), (1, 0)), caps, shares):
         kd = d.keys[k]
         assert kd.overlap and kd.stop_share == duty.HOST_STOP_SHARE
         assert abs(share - allowed(cap)) <= 3.0, shares
         assert (k, True) in changes
     assert both >= 15.0, both       # their running times overlap
+    assert cut == 0                 # neither waits for the other's turn
 
 
 def test_a_group_that_keeps_the_gpu_busy_takes_turns_with_a_launch_bound_one():
-    shares, both, d, changes = pair((30.0, 70.0), waited=(0.01, 0.01), busy=(90.0, 14.0))
+    shares, both, d, changes, cut = pair((30.0, 70.0), waited=(0.01, 0.01), busy=(90.0, 14.0))
     assert changes == [] and not any(kd.overlap for kd in d.keys.values())
     assert all(kd.stop_share == 0.0 for kd in d.keys.values())
     assert both <= 1.0, both        # turns: one at a time (the handoffs aside)
@@ -141,5 +145,5 @@ def test_a_group_that_keeps_the_gpu_busy_takes_turns_with_a_launch_bound_one():
 
 
 def test_groups_that_wait_for_the_gpu_take_turns():
-    shares, both, d, changes = pair((50.0, 50.0), waited=(0.3, 0.3), busy=(14.0, 14.0))
+    shares, both, d, changes, cut = pair((50.0, 50.0), waited=(0.3, 0.3), busy=(14.0, 14.0))
     assert changes == [] and both <= 1.0, both
