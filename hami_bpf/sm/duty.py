@@ -95,11 +95,12 @@ given it back made 20.4% of its speed). Beside neighbours it is given back as
 much of the first guess as the time their caps leave unclaimed covers
 (Observation.spare: 20% beside a neighbour at 30 for a cap of 50), split
 between the groups given some there: that time is no one's. Beside
-launch-bound groups only (KeyDecision.overlap) it is given it all: they run
-beside each other (sm.handoff), and the time is not theirs. There the
-device's utilization while it runs holds theirs too: under LAUNCH_IDLE_BUSY
-it says the group is launch-bound, and more says nothing; with no reading,
-its synchronize calls decide where time is unclaimed. One that loses nothing runs that
+launch-bound groups only it is given it all (KeyDecision.overlap: each paced
+by its own synchronizes, quiet, and its device read under LAUNCH_IDLE_BUSY
+per second it ran, their work included, for LIGHT_AFTER_S): they run beside
+each other (sm.handoff), so the time is not theirs. Otherwise, beside
+others, its synchronize calls alone say whether it is launch-bound (the
+device's utilization holds their work too). One that loses nothing runs that
 much over its cap (errs open, where it costs no one); one that loses what the
 decode loop did lands on it. How much a held decode loop loses changes from
 run to run on the H200 VM (0-23%). So that share is a first guess. A quiet
@@ -303,7 +304,7 @@ def _busy(k: _Key, now: float, util: float | None, alone: bool) -> float | None:
         return None
     if util is not None and (not reads or now - reads[-1][0] >= BUSY_READ_S):
         # A reading covers the time since the one before.
-        span = (now - reads[-1][0]) - (0.0 if alone else k.held_s - reads[-1][1]) if reads else 0
+        span = (now - reads[-1][0]) - (0.0 if alone else k.held_s - reads[-1][1]) if reads else 0.0
         reads.append((now, k.held_s, reads[-1][2] + util * span if reads else 0.0))
 
     def ran_from(i: int) -> float:
@@ -611,8 +612,7 @@ class DutyPacer:
             else:
                 k.asked_since = None
             decisions[key] = KeyDecision(k.mode, ask, k.debt, k.probe_share, k.host_paced, quantum,
-                                         k.stop_share, by_neighbour,
-                                         busy,
+                                         k.stop_share, by_neighbour, busy,
                                          k.meter.speed if alone else None, k.meter.sampling,
                                          k.run_pct(), spare if key in obs.shared else None,
                                          overlap)
