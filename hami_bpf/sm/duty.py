@@ -97,7 +97,8 @@ much of the first guess as the time their caps leave unclaimed covers
 between the groups given some there: that time is no one's. Beside
 launch-bound groups only it is given it all (KeyDecision.overlap: each paced
 by its own synchronizes, quiet, and its device read under LAUNCH_IDLE_BUSY
-per second it ran, their work included, for LIGHT_AFTER_S): they run beside
+per second it ran, alone or with their work included, for LIGHT_AFTER_S;
+with no reading, never): they run beside
 each other (sm.handoff), so the time is not theirs. Otherwise, beside
 others, its synchronize calls alone say whether it is launch-bound (the
 device's utilization holds their work too). One that loses nothing runs that
@@ -225,9 +226,11 @@ class _Key:
     # running time beside others (where they bound its own from above)
     busy_reads: collections.deque = field(default_factory=collections.deque)
     busy_alone: bool = True
-    # beside others, its last readings under LAUNCH_IDLE_BUSY (until
-    # LAUNCH_BOUND_BUSY), kept while others come and go
-    beside_light: bool = False
+    # its device read under LAUNCH_IDLE_BUSY per second it ran (until
+    # LAUNCH_BOUND_BUSY), alone or beside others (their work included), kept
+    # while they come and go (a neighbour held a while leaves it alone for a
+    # moment); never without a reading
+    read_idle: bool = False
     light_since: float | None = None    # _light: launch-bound and quiet since
     overlap: bool = False       # KeyDecision.overlap
     meter: progress.ProgressMeter = field(default_factory=progress.ProgressMeter)
@@ -286,8 +289,9 @@ def _window(k: _Key, now: float, u: Use) -> tuple[float, float, int] | None:
 
 
 def _light(k: _Key) -> bool:
-    """Paced by its own synchronizes, launch-bound and quiet for LIGHT_AFTER_S
-    (sm.handoff): a phase that waits for the GPU ends it at once."""
+    """Paced by its own synchronizes, quiet, and its device read idle
+    (_Key.read_idle), for LIGHT_AFTER_S (sm.handoff): a phase that waits for
+    the GPU ends it at once."""
     return k.light_since is not None and k.t - k.light_since >= LIGHT_AFTER_S
 
 
@@ -391,7 +395,7 @@ class DutyPacer:
         k = self._keys.get(key)
         return 0.0 if k is None else k.reserve
 
-    def _beside_light(self, key: tuple[int, int], active: frozenset | None) -> bool:
+    def _among_light(self, key: tuple[int, int], active: frozenset | None) -> bool:
         """Whether every other group that launched on key's device lately is
         paced here by its own synchronizes and launch-bound (uncapped ones
         are not known to be)."""
@@ -521,10 +525,9 @@ class DutyPacer:
             spare = ((obs.spare or {}).get(key[1], 0.0) / max(1, sharers[key[1]])
                      if key in obs.shared else 0.0)
             busy = _busy(k, now, (obs.util or {}).get(key[1]), key not in obs.shared)
+            if busy is not None:
+                k.read_idle = busy < (LAUNCH_BOUND_BUSY if k.read_idle else LAUNCH_IDLE_BUSY)
             if not k.busy_alone:
-                if busy is not None:
-                    k.beside_light = busy < (LAUNCH_BOUND_BUSY if k.beside_light
-                                             else LAUNCH_IDLE_BUSY)
                 busy = None     # theirs is in it: only whether it runs beside them
             gpu_busy = busy is not None and busy >= LAUNCH_BOUND_BUSY
             gpu_idle = busy is None or busy < LAUNCH_IDLE_BUSY
@@ -557,10 +560,9 @@ class DutyPacer:
                 forgotten.append((key, *k.meter.new_phase))
             # beside launch-bound groups only: no turns, so what it is given back
             # is not taken from them (sm.handoff)
-            light = (mode is Mode.DUTY and not by_neighbour and k.quiet
-                     and (k.launch_bound if k.busy_alone else k.beside_light))
+            light = mode is Mode.DUTY and not by_neighbour and k.quiet and k.read_idle
             k.light_since = (now if k.light_since is None else k.light_since) if light else None
-            overlap = key in obs.shared and _light(k) and self._beside_light(key, obs.active)
+            overlap = key in obs.shared and _light(k) and self._among_light(key, obs.active)
             if overlap != k.overlap:
                 k.overlap = overlap
                 overlaps.append((key, overlap))

@@ -77,7 +77,7 @@ def test_no_hold_outlives_its_bound_and_none_ends_early(groups, runners):
 NVML_PERIOD_S = 1 / 6     # NVML's utilization: the busy share of its last sample period
 
 
-def pair(caps, waited, busy, seconds=30.0, dt=0.002):
+def pair(caps, waited, busy, seconds=30.0, dt=0.002, launched_lately=False):
     """Two groups on device 0, each active whenever it is not held and
     stopping at once when asked, spending `waited` of its running time inside
     synchronize calls; the device is busy `busy` percent per group running
@@ -85,7 +85,9 @@ def pair(caps, waited, busy, seconds=30.0, dt=0.002):
     each one's share of the time it ran after settling (percent), the share
     of the time both ran, the last decisions, the overlap changes, and the
     holds cut short after settling (released at their bound with debt left,
-    or into the other's turn)."""
+    or into the other's turn). `launched_lately`: who shares the device as
+    the daemon tells it (sharing.active: a group held longer than BUSY_S
+    has not launched lately), not both all the time."""
     keys = [(0, 0), (1, 0)]
     n = [0, 0]
     sync_s = [0.0, 0.0]
@@ -95,11 +97,13 @@ def pair(caps, waited, busy, seconds=30.0, dt=0.002):
     recent = collections.deque(maxlen=round(NVML_PERIOD_S / dt))
     p, t, d, changes, cut = duty.DutyPacer(sample_share=0.0), 0.0, None, [], 0
     capmap = dict(zip(keys, caps))
+    last = {k: 0.0 for k in keys}
     while t < seconds:
         t += dt
         running = [since[i] is None for i in range(2)]
         for i in range(2):
             if running[i]:
+                last[keys[i]] = t
                 n[i] += 1
                 sync_s[i] += dt * waited[i]
                 ran[i] += dt if t > settled else 0.0
@@ -108,12 +112,13 @@ def pair(caps, waited, busy, seconds=30.0, dt=0.002):
             both += dt if all(running) else 0.0
         recent.append(min(100.0, sum(b for b, r in zip(busy, running) if r)))
         util = {0: sum(recent) / len(recent)} if 0 in p.wants_util(t) else None
+        active = frozenset(sharing.active(last, t) if launched_lately else keys)
         d = p.step(Observation(
             t, capmap, {k: Use(n[i], n[i], launches=n[i], sync_s=sync_s[i])
                         for i, k in enumerate(keys)},
             {i: since[i] for i in range(2) if since[i] is not None}, util=util,
-            shared=frozenset(keys), active=frozenset(keys),
-            spare=sharing.spare_time(capmap, keys)))
+            shared=frozenset(k for k in keys if sharing.beside_others(k, active)),
+            active=active, spare=sharing.spare_time(capmap, active)))
         changes.extend(d.overlaps)
         cut += len(d.cut_short) if t > settled else 0
         for i, k in enumerate(keys):
@@ -134,6 +139,20 @@ def test_two_launch_bound_groups_run_beside_each_other_each_given_back_its_holds
         assert (k, True) in changes
     assert both >= 15.0, both       # their running times overlap
     assert cut == 0                 # neither waits for the other's turn
+
+
+def test_a_launch_bound_group_alone_for_moments_runs_beside_its_kind_all_the_same():
+    """Capped together at caps that leave no time unclaimed, so no reading
+    alone says either is launch-bound; the one at 30, held 0.4 s at a time,
+    leaves the other alone on the device for moments: their readings beside
+    each other still decide."""
+    caps = (30.0, 70.0)
+    shares, both, d, changes, cut = pair(caps, waited=(0.01, 0.01), busy=(14.0, 14.0),
+                                         launched_lately=True)
+    assert all(kd.overlap for kd in d.keys.values()), changes
+    assert both >= 15.0, both
+    for cap, share in zip(caps, shares):
+        assert abs(share - allowed(cap)) <= 3.0, shares
 
 
 def test_a_group_that_keeps_the_gpu_busy_takes_turns_with_a_launch_bound_one():
