@@ -231,7 +231,7 @@ class _Key:
     # while they come and go (a neighbour held a while leaves it alone for a
     # moment); never without a reading
     read_idle: bool = False
-    light_since: float | None = None    # _light: launch-bound and quiet since
+    light_since: float | None = None    # _light: quiet and its device read idle since
     overlap: bool = False       # KeyDecision.overlap
     meter: progress.ProgressMeter = field(default_factory=progress.ProgressMeter)
     reserve: float = 0.0        # debt of its free samples, repaid over the seconds after
@@ -397,8 +397,7 @@ class DutyPacer:
 
     def _among_light(self, key: tuple[int, int], active: frozenset | None) -> bool:
         """Whether every other group that launched on key's device lately is
-        paced here by its own synchronizes and launch-bound (uncapped ones
-        are not known to be)."""
+        light here (_light; uncapped ones are not known to be)."""
         others = [o for o in active or () if o[1] == key[1] and o[0] != key[0]]
         return bool(others) and all(o in self._keys and _light(self._keys[o]) for o in others)
 
