@@ -522,7 +522,7 @@ class SmController:
         for key, on in d.overlaps:
             self._counts[f"sm_overlap_{'on' if on else 'off'}"] += 1
             self._record("throttle", "overlap", group=names.get(key[0], str(key[0])),
-                         device=key[1], overlap=on)
+                         device=key[1], overlap=on, **d.keys[key].overlap_fields())
         for key, now_hz, was_hz in d.forgotten:
             self._counts["sm_samples_forgotten"] += 1
             self._record("throttle", "speed_forgotten", group=names.get(key[0], str(key[0])),

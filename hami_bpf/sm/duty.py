@@ -98,8 +98,13 @@ between the groups given some there: that time is no one's. Beside
 launch-bound groups only it is given it all (KeyDecision.overlap: each paced
 by its own synchronizes, quiet, and its device read under LAUNCH_IDLE_BUSY
 per second it ran, alone or with their work included, for LIGHT_AFTER_S;
-with no reading, never): they run beside
-each other (sm.handoff), so the time is not theirs. Otherwise, beside
+with no reading, never): they run beside each other (sm.handoff), so the
+time is not theirs. Each slows the other a little there (its synchronizes
+wait for their work; the reading holds theirs), so it stays light until it
+waits OVERLAP_WAITED_SHARE of its running time, more than a hold would cost
+it, or its device reads OVERLAP_BUSY (two of them read 47-52 together on an
+H100; a phase of one that fills it reads more), and then takes turns for
+OVERLAP_RETRY_S. Otherwise, beside
 others, its synchronize calls alone say whether it is launch-bound (the
 device's utilization holds their work too). One that loses nothing runs that
 much over its cap (errs open, where it costs no one); one that loses what the
@@ -186,6 +191,13 @@ BUSY_WALL_S = 10.0         # ... looking back this far at most
 BUSY_WAIT_S = 3.0          # no reading this long after it looked launch-bound: syncs decide
 BUSY_READ_S = 0.1          # a device reading for it at most this often
 LIGHT_AFTER_S = 1.0        # launch-bound and quiet this long: runs beside its kind (handoff)
+OVERLAP_WAITED_SHARE = 0.2  # running beside its kind: this much of its running time inside
+                           # synchronize calls (their work costs it more than a hold does,
+                           # HOST_STOP_SHARE) ...
+OVERLAP_BUSY = 60.0        # ... or its device read this busy per second it ran, their work
+                           # included (two launch-bound loops together read 47-52 on an H100):
+                           # a phase of one of them fills it; turns again
+OVERLAP_RETRY_S = 10.0     # ... at least this long
 REPAY_SHARE = 0.25     # a free sample's debt is repaid at this much more per second it runs
 SAMPLE_FROM_CAP = 28.0  # not sampled under this cap: HOST_STOP_SHARE is within 5 points there
 BESIDE_S = 1.0         # paced here by its syncs, active this recently: paces rare syncers beside it
@@ -231,7 +243,10 @@ class _Key:
     # while they come and go (a neighbour held a while leaves it alone for a
     # moment); never without a reading
     read_idle: bool = False
+    read_busy: float | None = None      # the last such reading (percent)
+    waited: float | None = None         # its running time inside synchronize calls, last window
     light_since: float | None = None    # _light: quiet and its device read idle since
+    light_after: float = -1e9   # not light before (OVERLAP_RETRY_S)
     overlap: bool = False       # KeyDecision.overlap
     meter: progress.ProgressMeter = field(default_factory=progress.ProgressMeter)
     reserve: float = 0.0        # debt of its free samples, repaid over the seconds after
@@ -290,8 +305,10 @@ def _window(k: _Key, now: float, u: Use) -> tuple[float, float, int] | None:
 
 def _light(k: _Key) -> bool:
     """Paced by its own synchronizes, quiet, and its device read idle
-    (_Key.read_idle), for LIGHT_AFTER_S (sm.handoff): a phase that waits for
-    the GPU ends it at once."""
+    (_Key.read_idle), for LIGHT_AFTER_S (sm.handoff). Running beside its kind
+    it stays so until it waits OVERLAP_WAITED_SHARE of its running time or
+    its device reads OVERLAP_BUSY, their work included; then it takes turns
+    for OVERLAP_RETRY_S."""
     return k.light_since is not None and k.t - k.light_since >= LIGHT_AFTER_S
 
 
@@ -525,12 +542,15 @@ class DutyPacer:
                      if key in obs.shared else 0.0)
             busy = _busy(k, now, (obs.util or {}).get(key[1]), key not in obs.shared)
             if busy is not None:
-                k.read_idle = busy < (LAUNCH_BOUND_BUSY if k.read_idle else LAUNCH_IDLE_BUSY)
+                k.read_busy = busy
+                k.read_idle = busy < (OVERLAP_BUSY if k.overlap else
+                                      LAUNCH_BOUND_BUSY if k.read_idle else LAUNCH_IDLE_BUSY)
             if not k.busy_alone:
                 busy = None     # theirs is in it: only whether it runs beside them
             gpu_busy = busy is not None and busy >= LAUNCH_BOUND_BUSY
             gpu_idle = busy is None or busy < LAUNCH_IDLE_BUSY
             if window is not None:
+                k.waited = window[1]
                 quiet = window[1] < LAUNCH_BOUND_SHARE
                 if quiet and not k.quiet or key in obs.shared and not spare:
                     k.quiet_since = now
@@ -559,7 +579,11 @@ class DutyPacer:
                 forgotten.append((key, *k.meter.new_phase))
             # beside launch-bound groups only: no turns, so what it is given back
             # is not taken from them (sm.handoff)
-            light = mode is Mode.DUTY and not by_neighbour and k.quiet and k.read_idle
+            light = mode is Mode.DUTY and not by_neighbour and k.read_idle and (
+                k.quiet or k.overlap and (k.waited or 0.0) < OVERLAP_WAITED_SHARE) \
+                and now >= k.light_after
+            if k.overlap and not light:
+                k.light_after = now + OVERLAP_RETRY_S   # turns make it quiet again at once
             k.light_since = (now if k.light_since is None else k.light_since) if light else None
             overlap = key in obs.shared and _light(k) and self._among_light(key, obs.active)
             if overlap != k.overlap:
@@ -616,7 +640,7 @@ class DutyPacer:
                                          k.stop_share, by_neighbour, busy,
                                          k.meter.speed if alone else None, k.meter.sampling,
                                          k.run_pct(), spare if key in obs.shared else None,
-                                         overlap)
+                                         overlap, k.read_busy, k.waited)
 
         self._asked = {key[0] for key, d in decisions.items() if d.ask is not Ask.NONE}
         running = handoff.Running.of(

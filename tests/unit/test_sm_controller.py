@@ -434,18 +434,21 @@ def test_a_quiet_group_whose_device_is_busy_is_read_and_given_nothing_back():
     assert given == []
 
 
-def overlap_events(util_pct: float) -> tuple[list, collections.Counter]:
+def overlap_events(util_pct: float, then: float | None = None,
+                   steps: int = 800) -> tuple[list, collections.Counter]:
     """a at 30 and b at 70 on one device, both launch-bound from the start
     (100 synchronizes a second of running, no time inside them), the device
-    read as `util_pct` busy whenever asked: their overlap events and counters."""
+    read as `util_pct` busy whenever asked (`then` after 8 s): their overlap
+    events and counters."""
     c, gs = controller({"a": 30, "b": 70}), groups(a=1, b=2)
     a, b = Load(1), Load(2)
     t, said, counts = 100.0, [], collections.Counter()
-    for _ in range(800):
+    for i in range(steps):
         t += 0.01
         a.run(t, cost=100, sync=True)
         b.run(t, cost=100, sync=True)
-        util = {DEV: util_pct} if c.wants(t, {a.key: a.use(), b.key: b.use()}, gs).util else None
+        pct = then if then is not None and i >= 800 else util_pct
+        util = {DEV: pct} if c.wants(t, {a.key: a.use(), b.key: b.use()}, gs).util else None
         d = step(c, t, gs, [a, b], util=util)
         said += events(d, "overlap")
         counts.update(d.counters)
@@ -455,8 +458,16 @@ def overlap_events(util_pct: float) -> tuple[list, collections.Counter]:
 def test_two_launch_bound_groups_are_said_to_run_beside_each_other():
     said, counts = overlap_events(20.0)
     assert sorted(said, key=lambda e: e["group"]) == [
-        dict(group="a", device=DEV, overlap=True), dict(group="b", device=DEV, overlap=True)]
+        dict(group=g, device=DEV, overlap=True, gpu_busy=20.0, waited=0.0) for g in "ab"]
     assert counts["sm_overlap_on"] == 2 and counts["sm_overlap_off"] == 0
+
+
+def test_a_reading_that_fills_the_device_ends_it_and_says_by_what():
+    said, counts = overlap_events(20.0, then=90.0, steps=1200)
+    off = [e for e in said if not e["overlap"]]
+    assert sorted(e["group"] for e in off) == ["a", "b"], said
+    assert max(e["gpu_busy"] for e in off) >= duty.OVERLAP_BUSY
+    assert counts["sm_overlap_off"] == 2
 
 
 def test_groups_whose_device_reads_busy_take_turns_and_nothing_is_said():

@@ -77,7 +77,8 @@ def test_no_hold_outlives_its_bound_and_none_ends_early(groups, runners):
 NVML_PERIOD_S = 1 / 6     # NVML's utilization: the busy share of its last sample period
 
 
-def pair(caps, waited, busy, seconds=30.0, dt=0.002, launched_lately=False):
+def pair(caps, waited, busy, seconds=30.0, dt=0.002, launched_lately=False,
+         waited_beside=None, busy_from=None):
     """Two groups on device 0, each active whenever it is not held and
     stopping at once when asked, spending `waited` of its running time inside
     synchronize calls; the device is busy `busy` percent per group running
@@ -87,7 +88,9 @@ def pair(caps, waited, busy, seconds=30.0, dt=0.002, launched_lately=False):
     holds cut short after settling (released at their bound with debt left,
     or into the other's turn). `launched_lately`: who shares the device as
     the daemon tells it (sharing.active: a group held longer than BUSY_S
-    has not launched lately), not both all the time."""
+    has not launched lately), not both all the time. `waited_beside`: its
+    share inside synchronize calls while the other runs too (their work
+    delays it); `busy_from`: (time, busy from then on)."""
     keys = [(0, 0), (1, 0)]
     n = [0, 0]
     sync_s = [0.0, 0.0]
@@ -105,12 +108,13 @@ def pair(caps, waited, busy, seconds=30.0, dt=0.002, launched_lately=False):
             if running[i]:
                 last[keys[i]] = t
                 n[i] += 1
-                sync_s[i] += dt * waited[i]
+                sync_s[i] += dt * (waited_beside or waited)[i] if all(running) else dt * waited[i]
                 ran[i] += dt if t > settled else 0.0
         if t > settled:
             total += dt
             both += dt if all(running) else 0.0
-        recent.append(min(100.0, sum(b for b, r in zip(busy, running) if r)))
+        now_busy = busy_from[1] if busy_from and t >= busy_from[0] else busy
+        recent.append(min(100.0, sum(b for b, r in zip(now_busy, running) if r)))
         util = {0: sum(recent) / len(recent)} if 0 in p.wants_util(t) else None
         active = frozenset(sharing.active(last, t) if launched_lately else keys)
         d = p.step(Observation(
@@ -153,6 +157,45 @@ def test_a_launch_bound_group_alone_for_moments_runs_beside_its_kind_all_the_sam
     assert both >= 15.0, both
     for cap, share in zip(caps, shares):
         assert abs(share - allowed(cap)) <= 3.0, shares
+
+
+def test_launch_bound_groups_keep_running_beside_each_other_though_each_slows_the_other():
+    """Each reads 33% busy alone, 66% with the other's work (53% per second
+    it ran, under OVERLAP_BUSY, as two launch-bound loops on an H100);
+    each waits 12% of its running time beside the other: more than a quiet
+    loop does alone, less than a hold costs it."""
+    caps = (30.0, 70.0)
+    shares, both, d, changes, cut = pair(caps, waited=(0.01, 0.01), busy=(33.0, 33.0),
+                                         waited_beside=(0.12, 0.12))
+    assert changes == [((0, 0), True), ((1, 0), True)] or \
+        changes == [((1, 0), True), ((0, 0), True)], changes     # never off again
+    assert all(kd.overlap for kd in d.keys.values())
+    at30 = d.keys[(0, 0)]    # beside the other most of the time it runs
+    assert at30.seen_busy > duty.LAUNCH_BOUND_BUSY and at30.waited > duty.LAUNCH_BOUND_SHARE
+    assert both >= 15.0 and cut == 0, (both, cut)
+    for cap, share in zip(caps, shares):
+        assert abs(share - allowed(cap)) <= 3.0, shares
+
+
+def test_groups_that_slow_each_other_more_than_a_hold_does_go_back_to_turns_for_a_while():
+    shares, both, d, changes, cut = pair((50.0, 50.0), waited=(0.01, 0.01), busy=(30.0, 30.0),
+                                         waited_beside=(0.3, 0.3), seconds=60.0)
+    offs = [c for c in changes if not c[1]]
+    assert offs, changes
+    # turns make them quiet again at once: each comes back only once a retry
+    # (OVERLAP_RETRY_S, 10 s) is over, in 60 s at most 5 times (7 without)
+    assert sum(1 for c in changes if c[1]) <= 10, changes
+    assert not any(kd.overlap for kd in d.keys.values()) or both < 30.0
+
+
+def test_a_phase_that_fills_the_gpu_beside_its_kind_ends_running_beside_it():
+    """A full launch queue: its synchronizes stay quiet, the reading does not."""
+    shares, both, d, changes, cut = pair((50.0, 50.0), waited=(0.01, 0.01), busy=(20.0, 20.0),
+                                         busy_from=(15.0, (20.0, 80.0)))
+    assert ((0, 0), False) in changes and ((1, 0), False) in changes, changes
+    assert not any(kd.overlap for kd in d.keys.values())
+    off = [kd.seen_busy for kd in d.keys.values()]
+    assert max(off) >= duty.OVERLAP_BUSY, off
 
 
 def test_a_group_that_keeps_the_gpu_busy_takes_turns_with_a_launch_bound_one():
