@@ -60,6 +60,14 @@ def _denied(then: str) -> Callable[[Mapping], str]:
     return text
 
 
+def _overlap_reading(d: Mapping) -> str:
+    busy, waited = d.get("gpu_busy"), d.get("waited")
+    parts = ([f"its device {busy:.0f}% busy per second it ran, theirs included"]
+             if busy is not None else []) + \
+        ([f"{waited:.0%} of its running time in synchronize calls"] if waited is not None else [])
+    return f" ({'; '.join(parts)})" if parts else ""
+
+
 def _learned(d: Mapping) -> str:
     extra = "".join([", contended" if d["contended"] else "",
                      ", launcher-bound" if d["launcher_bound"] else "",
@@ -224,7 +232,7 @@ TYPES: tuple[EventType, ...] = (
               lambda d: f"group {d['group']!r} device {d['device']}: " + (
                   "launch-bound beside launch-bound groups only: runs beside them, without "
                   "turns, and is given back what being held costs it" if d["overlap"] else
-                  "takes turns with the groups beside it again")),
+                  "takes turns with the groups beside it again") + _overlap_reading(d)),
     EventType(K.THROTTLE, "speed",
               ("group", "device", "free_hz", "paced_hz", "ratio", "speed", "run_pct"),
               lambda d: f"group {d['group']!r} device {d['device']}: paced, it launches "
