@@ -185,7 +185,9 @@ def test_any_fatal_signal_shuts_down_cleanly(tmp_path, sig):
     d = Daemon(fake, policy=policy).start()
     try:
         with Tracked.spawn(fake, g, env={"FAKECUDA_LAUNCH_NS": "3000"}) as t:
-            run = Launching(t.proc, 1000000)
+            # still launching when its first hold comes (learning alone takes
+            # 1.5 s; a million launches of the stand-in take about as long)
+            run = Launching(t.proc, 3_000_000)
             deadline = time.monotonic() + 30
             while proc_state(t.pid) != "T" and time.monotonic() < deadline:
                 time.sleep(0.002)
