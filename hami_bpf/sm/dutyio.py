@@ -73,12 +73,12 @@ class KeyDecision:
     run_pct: float = 0.0        # the share of the time (percent) it may run (_Key.run_pct)
     spare: float | None = None  # beside neighbours: its part of the time no cap claims (percent)
     overlap: bool = False       # launch-bound beside launch-bound groups only: no turns (handoff)
-    seen_busy: float | None = None  # its device's utilization per second it ran, others' included
+    read_busy: float | None = None  # its device's utilization per second it ran, others' included
     waited: float | None = None     # its running time inside synchronize calls, last window (share)
 
     def overlap_fields(self) -> dict[str, float | None]:
         """What an overlap change was decided on, for its event."""
-        return {"gpu_busy": None if self.seen_busy is None else round(self.seen_busy, 1),
+        return {"gpu_busy": None if self.read_busy is None else round(self.read_busy, 1),
                 "waited": None if self.waited is None else round(self.waited, 3)}
 
 

@@ -171,7 +171,7 @@ def test_launch_bound_groups_keep_running_beside_each_other_though_each_slows_th
         changes == [((1, 0), True), ((0, 0), True)], changes     # never off again
     assert all(kd.overlap for kd in d.keys.values())
     at30 = d.keys[(0, 0)]    # beside the other most of the time it runs
-    assert at30.seen_busy > duty.LAUNCH_BOUND_BUSY and at30.waited > duty.LAUNCH_BOUND_SHARE
+    assert at30.read_busy > duty.LAUNCH_BOUND_BUSY and at30.waited > duty.LAUNCH_BOUND_SHARE
     assert both >= 15.0 and cut == 0, (both, cut)
     for cap, share in zip(caps, shares):
         assert abs(share - allowed(cap)) <= 3.0, shares
@@ -194,7 +194,7 @@ def test_a_phase_that_fills_the_gpu_beside_its_kind_ends_running_beside_it():
                                          busy_from=(15.0, (20.0, 80.0)))
     assert ((0, 0), False) in changes and ((1, 0), False) in changes, changes
     assert not any(kd.overlap for kd in d.keys.values())
-    off = [kd.seen_busy for kd in d.keys.values()]
+    off = [kd.read_busy for kd in d.keys.values()]
     assert max(off) >= duty.OVERLAP_BUSY, off
 
 
