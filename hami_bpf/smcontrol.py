@@ -296,8 +296,9 @@ class SmControl:
             self._logged[key] = obs.now
             b = self.ctl.budgets.get(key)
             if b is None:
-                log.debug("duty %s dev %d: debt %s ask_sync %s held %s", names.get(key[0]), key[1],
-                          self.ctl.duty.debt(key), grant.hold_at_sync, key[0] in held)
+                log.debug("duty %s dev %d: debt %s ask_sync %s held %s %s", names.get(key[0]),
+                          key[1], self.ctl.duty.debt(key), grant.hold_at_sync, key[0] in held,
+                          self.ctl.duty.reading(key))
             else:
                 log.debug("budget %s dev %d: %s cap %s F=%.4g R=%s granted=%d held=%s "
                           "cut_short=%d episodes=%d", names.get(key[0]), key[1],

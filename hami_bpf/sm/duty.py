@@ -395,6 +395,15 @@ class DutyPacer:
         k = self._keys.get(key)
         return None if k is None else k.debt
 
+    def reading(self, key: tuple[int, int]) -> dict | None:
+        """What its launch-bound and overlap decisions were last taken on
+        (the debug log's fields); None: not paced here."""
+        k = self._keys.get(key)
+        return None if k is None else {
+            "gpu_busy": None if k.read_busy is None else round(k.read_busy, 1),
+            "waited": None if k.waited is None else round(k.waited, 3),
+            "alone_read": k.busy_alone, "launch_bound": k.launch_bound, "overlap": k.overlap}
+
     def speed(self, key: tuple[int, int]) -> float | None:
         """Its work per second of running paced against free, as measured
         (progress.ProgressMeter); None: not measured."""
