@@ -8,6 +8,7 @@ inside each (entry to return). Needs bcc (bench/gpu: setup-bcc) and root.
       a PyTorch child runs matmuls, .item(), synchronize() and event waits
   python3 bench/gpu/which_calls.py [--regex RX] --cmd "python3 bench/gpu/workloads/jax_train.py --seconds 8"
       any program, counted from its start to its exit
+  --heads prints each probed symbol's first bytes
 """
 import argparse
 import os
@@ -87,12 +88,20 @@ def main():
     ap.add_argument("--regex", default=r"(Synchron|Query|Wait|Event|HostFunc|Callback)",
                     help="exported cu* symbols to count (Python regex)")
     ap.add_argument("--cmd", help="program to run and count (default: the PyTorch child)")
+    ap.add_argument("--heads", action="store_true",
+                    help="print each probed symbol's first bytes (a probe on an instruction "
+                         "the kernel cannot emulate is single-stepped: slower)")
     a = ap.parse_args()
     rx = re.compile(a.regex)
     lib = sorted(p for p in os.listdir("/usr/local/nvidia/lib64") if p.startswith("libcuda.so."))[-1]
     lib = os.path.join("/usr/local/nvidia/lib64", lib)
     offs = {n: o for n, o in libcuda.symbol_file_offsets(lib).items()
             if n.startswith("cu") and rx.search(n)}
+    if a.heads:
+        with open(lib, "rb") as f:
+            for n, o in sorted(offs.items()):
+                f.seek(o)
+                print(f"head {n:32} {f.read(8).hex(' ')}", flush=True)
     b = BPF(text=PROG)
     for n in offs:
         try:
