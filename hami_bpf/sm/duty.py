@@ -97,9 +97,8 @@ much of the first guess as the time their caps leave unclaimed covers
 between the groups given some there: that time is no one's. Beside
 launch-bound groups only it is given it all (KeyDecision.overlap: each paced
 by its own synchronizes, quiet, and its device read under LAUNCH_IDLE_BUSY
-per second it ran alone, or under LAUNCH_BOUND_BUSY with their work included
-(taking turns, two decode loops at 70 / 30 read 33-46 on an H100), for
-LIGHT_AFTER_S; with no reading, never): they run beside each other (sm.handoff), so the
+per second it ran, alone or with their work included, for LIGHT_AFTER_S;
+with no reading, never): they run beside each other (sm.handoff), so the
 time is not theirs. Each slows the other a little there (its synchronizes
 wait for their work; the reading holds theirs), so it stays light until it
 waits OVERLAP_WAITED_SHARE of its running time, more than a hold would cost
@@ -553,10 +552,8 @@ class DutyPacer:
             busy = _busy(k, now, (obs.util or {}).get(key[1]), key not in obs.shared)
             if busy is not None:
                 k.read_busy = busy
-                # beside others their work is in it: see the module's text
                 k.read_idle = busy < (OVERLAP_BUSY if k.overlap else
-                                      LAUNCH_BOUND_BUSY if k.read_idle or not k.busy_alone
-                                      else LAUNCH_IDLE_BUSY)
+                                      LAUNCH_BOUND_BUSY if k.read_idle else LAUNCH_IDLE_BUSY)
             if not k.busy_alone:
                 busy = None     # theirs is in it: only whether it runs beside them
             gpu_busy = busy is not None and busy >= LAUNCH_BOUND_BUSY

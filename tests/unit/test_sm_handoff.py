@@ -159,19 +159,6 @@ def test_a_launch_bound_group_alone_for_moments_runs_beside_its_kind_all_the_sam
         assert abs(share - allowed(cap)) <= 3.0, shares
 
 
-def test_a_pair_whose_turns_read_more_than_idle_alone_runs_beside_each_other():
-    """Taking turns, each reading holds the other's work too: a decode loop
-    at 70 beside one at 30 read 33-46 on an H100, over LAUNCH_IDLE_BUSY,
-    though each is quiet and the two together read under OVERLAP_BUSY."""
-    caps = (70.0, 30.0)
-    shares, both, d, changes, cut = pair(caps, waited=(0.01, 0.01), busy=(42.0, 14.0))
-    assert all(kd.overlap for kd in d.keys.values()), changes
-    assert duty.LAUNCH_IDLE_BUSY <= d.keys[(0, 0)].read_busy < duty.OVERLAP_BUSY
-    assert both >= 15.0 and cut == 0, (both, cut)
-    for cap, share in zip(caps, shares):
-        assert abs(share - allowed(cap)) <= 3.0, shares
-
-
 def test_launch_bound_groups_keep_running_beside_each_other_though_each_slows_the_other():
     """Each reads 33% busy alone, 66% with the other's work (53% per second
     it ran, under OVERLAP_BUSY, as two launch-bound loops on an H100);
