@@ -159,6 +159,16 @@ def test_a_launch_bound_group_alone_for_moments_runs_beside_its_kind_all_the_sam
         assert abs(share - allowed(cap)) <= 3.0, shares
 
 
+def test_a_pair_whose_turns_read_over_idle_keeps_taking_turns():
+    """Taking turns a loop reads LAUNCH_IDLE_BUSY or more, theirs included:
+    two such loops at 70 / 30 on an H100 (read 33-46 in turns) read 56-63
+    together and went back and forth; they stay in turns."""
+    shares, both, d, changes, cut = pair((70.0, 30.0), waited=(0.01, 0.01), busy=(42.0, 14.0))
+    assert changes == [] and not any(kd.overlap for kd in d.keys.values()), changes
+    assert d.keys[(0, 0)].read_busy >= duty.LAUNCH_IDLE_BUSY
+    assert both <= 1.0, both
+
+
 def test_launch_bound_groups_keep_running_beside_each_other_though_each_slows_the_other():
     """Each reads 33% busy alone, 66% with the other's work (53% per second
     it ran, under OVERLAP_BUSY, as two launch-bound loops on an H100);
