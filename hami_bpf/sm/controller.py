@@ -211,8 +211,7 @@ class SmController:
         return self.caps.pop(group, {})
 
     def uncap(self, index: int, devices) -> None:
-        """Devices a group lost its cap on: their budgets go (counted afresh
-        should a cap come back)."""
+        """Devices a group lost its cap on: their budgets go (counted afresh if it comes back)."""
         for dev in devices:
             self.forget_budget((index, dev))
             self.duty.forget((index, dev))
@@ -689,7 +688,8 @@ class SmController:
             util = min(100.0, sum(per_pid.get(pid, 0.0) for pid in g.pids))
             shared, source = False, guard.Source.PROCESS
         c = self.guard.observe(key, now=now, cap=b.cap, held=held, util=util, shared=shared,
-                               source=source, consumed=b.last_consumed, full_rate=b.full_rate)
+                               source=source, consumed=b.last_consumed, full_rate=b.full_rate,
+                               hold_since=obs.held.get(group))
         if c is None:
             return free
         correct_rate(b, c.gain)

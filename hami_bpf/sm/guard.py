@@ -36,8 +36,13 @@ Against that target, for a group the budget held in the window:
   and a group using less of the device than its cap cannot be shown over
   it, so it is never lowered (fail open).
 
-A window in which the budget held the group under MIN_HELD of the time says
-nothing of the budget's price (the group ran as it would uncapped), and a
+A window counts as held also where the budget stopped the group MIN_STOPS
+times or more, however briefly: a loop its launching thread paces runs
+slower for a while after each stop, so many short holds bind it far beyond
+their length (a diffusion sampler capped at 99 on an H100 ran at half its
+free speed, held 0.1% of the time, for the 11 s until one window was held
+10%). Otherwise a window in which the budget held the group under MIN_HELD
+of the time says nothing of the budget's price (the group ran as it would uncapped), and a
 rate far too high never holds its group again, so no held window would come
 to lower it a step at a time (a rate learned 20x too low and raised in two
 idle windows, x8 then x41, is 16x too high). So a group over its cap by
@@ -61,6 +66,7 @@ from enum import Enum
 
 WINDOW_S = 1.0
 MIN_HELD = 0.1        # held this part of a window at least: the budget is what binds
+MIN_STOPS = 5         # ... or stopped this many times in it
 MIN_READINGS = 3
 REF_LAG_S = 1.0       # NVML's utilization reads what ran this long ago
 MIN_REF = 20.0        # a reference is taken as at least this: one read while the group
@@ -107,6 +113,7 @@ class _Window:
     start: float
     last: float
     held_s: float = 0.0
+    stops: int = 0          # holds that began in it
     util_sum: float = 0.0
     readings: int = 0
     shared: bool = False
@@ -126,10 +133,12 @@ class Guard:
         self._ref: dict[tuple[int, int], tuple[float, float, int]] = {}
         self._streak: dict[tuple[int, int], float] = {}   # the last window's idle raise
         self._free: set[tuple[int, int]] = set()    # the last window barely held the group
+        self._since: dict[tuple[int, int], float] = {}  # the last hold seen began then
 
     def forget(self, key: tuple[int, int]) -> None:
         self.restart(key)
         self._ref.pop(key, None)
+        self._since.pop(key, None)
 
     def restart(self, key: tuple[int, int]) -> None:
         """Drop the window being filled (its reference stays): what it saw
@@ -145,6 +154,8 @@ class Guard:
             del self._ref[key]
         for key in [k for k in self._streak if k[0] == group_index]:
             del self._streak[key]
+        for key in [k for k in self._since if k[0] == group_index]:
+            del self._since[key]
         self._free = {k for k in self._free if k[0] != group_index}
 
     def reference(self, key: tuple[int, int], util: float | None, now: float) -> None:
@@ -166,9 +177,11 @@ class Guard:
     def observe(self, key: tuple[int, int], *, now: float, cap: float, held: bool,
                 util: float | None, shared: bool,
                 source: Source = Source.DEVICE, consumed: int | None = None,
-                full_rate: float | None = None) -> Correction | None:
+                full_rate: float | None = None,
+                hold_since: float | None = None) -> Correction | None:
         """One tick of a budget-paced group: `held` whether the budget holds
-        it now, `util` the utilization reading (None: none), `shared`
+        it now (`hold_since`: since when, where known: each hold is counted
+        once), `util` the utilization reading (None: none), `shared`
         whether another group was active on the device, `consumed` the cost
         units it launched so far and `full_rate` its budget's learned full
         rate (units/s; either None: no re-basing). Returns the correction to
@@ -181,6 +194,9 @@ class Guard:
         w.last = now
         if held:
             w.held_s += dt
+            if hold_since is not None and hold_since != self._since.get(key):
+                self._since[key] = hold_since
+                w.stops += 1
         if util is not None:
             w.util_sum += util
             w.readings += 1
@@ -190,7 +206,7 @@ class Guard:
         self._w[key] = _Window(start=now, last=now, consumed=consumed)
         last_raise = self._streak.pop(key, 1.0)
         span = now - w.start
-        free, was_free = w.held_s < MIN_HELD * span, key in self._free
+        free, was_free = w.held_s < MIN_HELD * span and w.stops < MIN_STOPS, key in self._free
         (self._free.add if free else self._free.discard)(key)
         if w.readings < MIN_READINGS:
             return None

@@ -161,6 +161,24 @@ def test_a_group_held_while_its_device_idles_under_its_cap_is_corrected():
     assert c.budgets[a.key].rate > rate
 
 
+def test_a_group_stopped_briefly_and_often_while_its_device_idles_is_corrected():
+    """Ten stops a second of one 5 ms tick each: held 5% of the time, under
+    what a window needs, but each stop slows a loop its launching thread
+    paces for a while after."""
+    c, gs, a = controller({"a": 30}), groups(a=1), Load(1)
+    t, _d = learn(c, gs, a, 100.0)
+    rate = c.budgets[a.key].rate
+    corrected = []
+    for i in range(600):                      # 3 s
+        t += 0.005
+        a.run(t, cost=10)
+        held = {"a": t - 0.001} if i % 20 == 19 else {}
+        d = step(c, t, gs, [a], held=held, util={DEV: 2.0})
+        corrected += events(d, "corrected")
+    assert corrected and corrected[0]["sm_correction"] == "held_while_idle", corrected
+    assert c.budgets[a.key].rate > rate
+
+
 def test_without_a_reading_the_guard_corrects_nothing():
     c, gs, a = controller({"a": 30}), groups(a=1), Load(1)
     t, _d = learn(c, gs, a, 100.0)

@@ -256,3 +256,51 @@ def test_a_window_after_a_lowering_is_not_lowered_again():
     # NVML reads a second behind: this window is of the group before.
     assert run_window(g, cap=50, util=70.0, start=2 * step) is None
     assert run_window(g, cap=50, util=70.0, start=3 * step).reason is Reason.OVER_CAP
+
+
+def short_holds(g: Guard, *, cap: float, util: float, stops_per_s: int, windows: int = 2,
+                key=(1, 0)) -> list:
+    """Windows of 5 ms ticks in which the budget stops the group
+    `stops_per_s` times a second for one tick each (held 0.5% a stop): the
+    corrections, in order."""
+    out, t, i, every = [], 0.0, 0, (200 // stops_per_s if stops_per_s else 0)
+    while t <= windows * guard.WINDOW_S + 0.006:
+        on = bool(every) and i % every == every - 1
+        c = g.observe(key, now=t, cap=cap, held=on, util=util, shared=False,
+                      hold_since=t if on else None)
+        out += [c] if c else []
+        t, i = t + 0.005, i + 1
+    return out
+
+
+def test_many_short_holds_of_a_group_whose_device_idles_loosen_it():
+    """Held 5% of the time in 10 stops a second, the device at 35% where
+    the cap allows 63: a launch-bound loop each stop slows for a while."""
+    g = Guard()
+    g.reference((1, 0), 64.0, 0.0)
+    for t in (1.0, 1.1, 1.2):
+        g.reference((1, 0), 64.0, t)
+    c = short_holds(g, cap=99, util=35.0, stops_per_s=10)
+    assert c and c[0].reason is Reason.HELD_WHILE_IDLE and c[0].gain > 1.5, c
+    assert c[0].target > 60.0 and c[0].util == 35.0
+
+
+def test_a_few_short_holds_say_nothing():
+    g = Guard()
+    for t in (0.0, 1.0, 1.1, 1.2):
+        g.reference((1, 0), 64.0, t)
+    assert short_holds(g, cap=99, util=35.0, stops_per_s=guard.MIN_STOPS - 1) == []
+
+
+def test_a_hold_seen_over_several_ticks_is_one_stop():
+    g = Guard()
+    for t in (0.0, 1.0, 1.1, 1.2):
+        g.reference((1, 0), 64.0, t)
+    out = []
+    for i in range(410):
+        # one hold three 5 ms ticks long every 250 ms: 4 stops a second, 6% held
+        t, on = i * 0.005, 20 <= i % 50 < 23
+        c = g.observe((1, 0), now=t, cap=99, held=on, util=35.0, shared=False,
+                      hold_since=(i // 50) * 0.25 + 0.1 if on else None)
+        out += [c] if c else []
+    assert out == []
