@@ -30,8 +30,8 @@ from typing import Any, Mapping, NamedTuple
 
 from ..limits import HAMI_DEFAULT_PRIORITY
 from ..throttle import (BUSY_S, LEARN_IDLE_S, TURN_PERIOD_S, UNLIMITED, Budget, Completions,
-                        completion_rate, correct_rate, held_to_cap, neighbours, next_edge,
-                        tick as budget_tick)
+                        completion_rate, correct_rate, gpu_bound, held_to_cap, neighbours,
+                        next_edge, tick as budget_tick)
 from . import duty, guard, progress, resample, sharing
 from .alone import AloneTable
 from .turntable import TurnTable
@@ -667,8 +667,8 @@ class SmController:
         device idles is loosened at once). True: it runs free this tick."""
         now = obs.now
         shared = sharing.beside_others(key, sharing.active(self._last_busy, now))
-        free, res = self.resample.step(key, now=now, consumed=consumed, held=held,
-                                       alone=not shared, full_rate=b.full_rate)
+        free, res = self.resample.step(key, now=now, consumed=consumed, held=held, alone=not shared,
+                                       full_rate=b.full_rate, host_bound=not gpu_bound(b))
         if res is not None:
             owed_s = resample.settle(b, res, consumed)
             self.resample.quiet(key, now + owed_s + guard.WINDOW_S)

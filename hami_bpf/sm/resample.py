@@ -9,7 +9,11 @@ slow holds it under its cap from then on, and the guard cannot tell: its
 device is exactly as busy as that rate says.
 
 So a group its budget holds (at least MIN_HELD of the time since its last
-sample), alone on its device, runs free every SAMPLE_EVERY_S for SAMPLE_S.
+sample), alone on its device, runs free every SAMPLE_EVERY_S for SAMPLE_S;
+one its launching thread paces (throttle.gpu_bound: not) first
+FIRST_HOST_S after its budget learned (a diffusion sampler learned in
+the slow seconds after a cap came, then held at 58% of its speed where its
+cap was 75, for the 10 s until its first sample).
 Its launch rate over the last MEASURE_S of that sets its full rate where
 it differs from the current one by DEADBAND or more, but never under the
 rate its budget holds without the samples (learned, and as the guard
@@ -31,6 +35,7 @@ from dataclasses import dataclass
 from ..throttle import MIN_RATE, Budget, correct_rate
 
 SAMPLE_EVERY_S = 10.0  # paced this long between samples
+FIRST_HOST_S = 3.0     # ... and before the first, for a group its launching thread paces
 SAMPLE_S = 1.0         # run free this long
 MEASURE_S = 0.5        # ... its launch rate taken over the last this-long of it
 MIN_HELD = 0.1         # held this part of the time since the last sample: the budget binds
@@ -63,6 +68,7 @@ class _Key:
     mark: tuple[float, int] | None = None   # (time, consumed) where the measure starts
     quiet_until: float = 0.0        # its sample's work repaid by then
     applied: float = 1.0            # the samples' gains on its full rate, in all
+    first: bool = True              # none checked yet
 
 
 class Resampler:
@@ -95,11 +101,13 @@ class Resampler:
         return k is None or (k.free_from is None and now >= k.quiet_until)
 
     def step(self, key: Key, *, now: float, consumed: int, held: bool, alone: bool,
-             full_rate: float) -> tuple[bool, Result | None]:
+             full_rate: float, host_bound: bool = False) -> tuple[bool, Result | None]:
         """One tick of a group its budget paces on a device: `consumed` its
         cost units launched so far, `held` whether it is held now, `alone`
-        whether no other group is busy on the device. Returns whether it
-        runs free this tick, and the result of a sample that ended in it."""
+        whether no other group is busy on the device, `host_bound` whether
+        its launching thread set its pace as its budget learned. Returns
+        whether it runs free this tick, and the result of a sample that
+        ended in it."""
         k = self._k.get(key)
         if k is None:
             self._k[key] = _Key(since=now, last=now)
@@ -109,11 +117,12 @@ class Resampler:
             if held:
                 k.held_s += dt
             span = now - k.since
-            if span < SAMPLE_EVERY_S or not alone or full_rate <= 0:
+            every = FIRST_HOST_S if k.first and host_bound else SAMPLE_EVERY_S
+            if span < every or not alone or full_rate <= 0:
                 return False, None
             if k.held_s < MIN_HELD * span:
                 # Its budget barely binds: nothing to check; look again later.
-                k.since, k.held_s = now, 0.0
+                k.since, k.held_s, k.first = now, 0.0, False
                 return False, None
             k.free_from, k.mark = now, None
             return True, None
@@ -141,7 +150,7 @@ class Resampler:
 
     @staticmethod
     def _end(k: _Key, now: float) -> None:
-        k.free_from, k.mark, k.since, k.held_s = None, None, now, 0.0
+        k.free_from, k.mark, k.since, k.held_s, k.first = None, None, now, 0.0, False
 
 
 def settle(b: Budget, res: Result, consumed: int) -> float:

@@ -18,7 +18,8 @@ TICK = 0.05
 
 
 def paced(r: Resampler, *, rate_in_sample, full_rate: float = 1000.0,
-          held_share: float = 0.5, alone=lambda t: True, until: float = 30.0):
+          held_share: float = 0.5, alone=lambda t: True, until: float = 30.0,
+          host_bound: bool = False):
     """Tick a group held `held_share` of each second that launches at
     `rate_in_sample` (units/s, or a function of the time) whenever it runs
     free, its full rate changed by each sample's gain; (ticks run free,
@@ -32,7 +33,7 @@ def paced(r: Resampler, *, rate_in_sample, full_rate: float = 1000.0,
             consumed += int(speed(t) * TICK)
         held = not free and (t % 1.0) < held_share
         free, res = r.step(KEY, now=t, consumed=consumed, held=held, alone=alone(t),
-                           full_rate=full_rate)
+                           full_rate=full_rate, host_bound=host_bound)
         free_ticks += free
         if res is not None:
             results.append((t, res))
@@ -47,6 +48,18 @@ def test_a_group_its_budget_holds_runs_free_for_a_sample_every_so_often():
     assert abs(free_ticks * TICK - 2 * resample.SAMPLE_S) <= 2 * TICK
     t0 = results[0][0]
     assert resample.SAMPLE_EVERY_S <= t0 <= resample.SAMPLE_EVERY_S + resample.SAMPLE_S + 2 * TICK
+
+
+def test_a_group_its_launcher_paces_is_first_sampled_soon_after_it_learned():
+    """Its CPU may have sped up since it learned: the first sample comes
+    FIRST_HOST_S in, the next SAMPLE_EVERY_S after that one."""
+    _free, results = paced(Resampler(), rate_in_sample=2000.0, until=16.0, host_bound=True)
+    (t0, res0), (t1, _res1) = results
+    assert resample.FIRST_HOST_S <= t0 <= resample.FIRST_HOST_S + resample.SAMPLE_S + 2 * TICK
+    assert abs(res0.gain - 2.0) < 0.05
+    assert t1 - t0 >= resample.SAMPLE_EVERY_S
+    _free, results = paced(Resampler(), rate_in_sample=2000.0, until=9.0)
+    assert results == []        # one the GPU paces: not before SAMPLE_EVERY_S
 
 
 def test_a_sample_faster_than_the_learned_rate_raises_it_by_that_much():
@@ -168,3 +181,26 @@ def test_the_controller_raises_a_budget_its_group_outran_and_holds_it_to_repay()
     # Repaid, it does its cap's share of what it now runs at (2 x learned).
     done = (a.consumed - mark[1]) / (t - mark[0])
     assert abs(done - 0.25 * 2 * learned) <= 0.1 * 0.25 * 2 * learned, (done, learned)
+
+
+def test_the_controller_samples_a_host_bound_budget_soon_after_it_learned():
+    c, gs, a = controller({"a": 50}), groups(a=1), Load(1)
+    t, _d = learn(c, gs, a, 100.0)
+    b = c.budgets[a.key]
+    b.probe_share = 0.05        # learned "host-bound: +5% for the probe"
+    learned_at, held_since, sampled_at = t, None, None
+    for n in range(int(8.0 / TICK)):
+        t += TICK
+        if held_since is None:
+            a.run(t, cost=2000, sync=n % 4 == 0)
+        d = step(c, t, gs, [a], held={"a": held_since} if held_since is not None else {},
+                 util={DEV: 30.0})
+        if events(d, "resampled") and sampled_at is None:
+            sampled_at = t
+        granted = d.grants[a.key].granted
+        if "a" in d.release:
+            held_since = None
+        if held_since is None and a.consumed >= granted:
+            held_since = t
+    assert sampled_at is not None
+    assert sampled_at - learned_at <= resample.FIRST_HOST_S + resample.SAMPLE_S + 0.5
