@@ -42,10 +42,10 @@ slower for a while after each stop, so many short holds bind it far beyond
 their length (a diffusion sampler capped at 99 on an H100 ran at half its
 free speed, held 0.1% of the time, for the 11 s until one window was held
 10%). Otherwise a window in which the budget held the group under MIN_HELD
-of the time says nothing of the budget's price (the group ran as it would uncapped), and a
-rate far too high never holds its group again, so no held window would come
-to lower it a step at a time (a rate learned 20x too low and raised in two
-idle windows, x8 then x41, is 16x too high). So a group over its cap by
+of the time says nothing of the budget's price (the group ran as it would
+uncapped), and a rate far too high never holds its group again, so no held
+window would come to lower it a step at a time (a rate learned 20x too low
+and raised in two idle windows, x8 then x41, is 16x too high). So a group over its cap by
 TRIM_PTS, alone on the device (or read by its own per-process utilization),
 in two such windows in a row and not in the first after the budget took
 hold, has its rate re-based on what it did (RUNS_FREE): it launched C units
