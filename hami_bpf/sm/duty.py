@@ -157,7 +157,7 @@ import collections
 from dataclasses import dataclass, field
 
 from . import handoff, progress
-from .dutyio import Ask, Decision, KeyDecision, Mode, Observation, Use
+from .dutyio import Ask, Decision, KeyDecision, Mode, Observation, Use, reading_fields
 
 QUANTUM_S = 0.05       # debt at which a hold is asked for
 FORCE_AFTER_S = 0.15   # asked this long with no synchronize's return: stop at the next launch
@@ -400,8 +400,7 @@ class DutyPacer:
         (the debug log's fields); None: not paced here."""
         k = self._keys.get(key)
         return None if k is None else {
-            "gpu_busy": None if k.read_busy is None else round(k.read_busy, 1),
-            "waited": None if k.waited is None else round(k.waited, 3),
+            **reading_fields(k.read_busy, k.waited),
             "alone_read": k.busy_alone, "launch_bound": k.launch_bound, "overlap": k.overlap}
 
     def speed(self, key: tuple[int, int]) -> float | None:

@@ -78,8 +78,14 @@ class KeyDecision:
 
     def overlap_fields(self) -> dict[str, float | None]:
         """What an overlap change was decided on, for its event."""
-        return {"gpu_busy": None if self.read_busy is None else round(self.read_busy, 1),
-                "waited": None if self.waited is None else round(self.waited, 3)}
+        return reading_fields(self.read_busy, self.waited)
+
+
+def reading_fields(read_busy: float | None, waited: float | None) -> dict[str, float | None]:
+    """A group's device reading and its share inside synchronize calls, as
+    events and the debug log give them."""
+    return {"gpu_busy": None if read_busy is None else round(read_busy, 1),
+            "waited": None if waited is None else round(waited, 3)}
 
 
 @dataclass(frozen=True)

@@ -45,12 +45,12 @@ free speed, held 0.1% of the time, for the 11 s until one window was held
 of the time says nothing of the budget's price (the group ran as it would
 uncapped), and a rate far too high never holds its group again, so no held
 window would come to lower it a step at a time (a rate learned 20x too low
-and raised in two idle windows, x8 then x41, is 16x too high). So a group over its cap by
-TRIM_PTS, alone on the device (or read by its own per-process utilization),
-in two such windows in a row and not in the first after the budget took
-hold, has its rate re-based on what it did (RUNS_FREE): it launched C units
-a second at u% of the device, so its full rate is C x 100 / u, and its cap
-lets it run at cap / u of that.
+and raised in two idle windows, x8 then x41, is 16x too high). So a group
+over its cap by TRIM_PTS, alone on the device (or read by its own
+per-process utilization), in two such windows in a row and not in the
+first after the budget took hold, has its rate re-based on what it did
+(RUNS_FREE): it launched C units a second at u% of the device, so its full
+rate is C x 100 / u, and its cap lets it run at cap / u of that.
 
 Utilization is the device's: next to other groups a reading over the target
 says nothing about this group (no lowering then), a reading under it still
