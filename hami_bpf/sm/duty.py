@@ -527,7 +527,6 @@ class DutyPacer:
                 k.ran_spans.append((k.t, k.t + ran, active))
                 while k.ran_spans and k.ran_spans[0][1] < now - MAX_STEP_S:
                     k.ran_spans.popleft()
-            k.debt = min(max(k.debt, idle_floor - self._bound(k)), MAX_DEBT_S)
             k.t, k.consumed, k.syncs = now, u.consumed, u.syncs
             k.sync_marks.append((now, u.syncs, k.held_s, u.launches, u.sync_s))
             rate = _sync_rate(k, now)
@@ -631,6 +630,8 @@ class DutyPacer:
                 changes.append((key, mode))
             elif mode is Mode.DUTY and by_neighbour != was_beside:
                 changes.append((key, mode))     # paced by time still, for another reason
+            # Bounded once its mode and pace are known: they set its hold bound.
+            k.debt = min(max(k.debt, idle_floor - self._bound(k)), MAX_DEBT_S)
             ask = Ask.NONE
             quantum = self._quantum(k)
             said = k.host_paced and k.mode is Mode.DUTY and self.host_run_s > 0

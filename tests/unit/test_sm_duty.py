@@ -6,7 +6,7 @@ import dataclasses
 import random
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from hami_bpf.sm import duty, sharing
 from hami_bpf.sm.duty import Ask, Mode, Observation, Use
@@ -154,6 +154,10 @@ def test_a_held_group_is_released_once_held_for_max_hold(cap, seed, sync_lo, syn
 
 @given(steps=st.lists(st.tuples(gaps, caps, st.integers(0, 3), st.integers(0, 10**5),
                                 st.booleans()), min_size=1, max_size=120))
+@example(steps=[(0.0, 1.0, 0, 0, False), (0.0, 1.0, 0, 0, False), (0.0, 1.0, 0, 0, False),
+                (0.0, 1.0, 2, 0, False), (0.0, 1.0, 2, 0, False), (0.625, 1.0, 2, 0, True),
+                (0.625, 1.0, 3, 0, True), (0.0, 1.0, 3, 0, False), (0.5, 1.0, 0, 0, True),
+                (0.6875, 16.0, 0, 0, True)])
 def test_debt_stays_between_its_floor_and_max_debt(steps):
     p = DutyPacer()
     now, consumed, syncs, since = 0.0, 0, 0, None
