@@ -15,7 +15,7 @@ that phase, weighted by the capped stretch's time in it.
 
 Prints one JSON line per capped stretch and a markdown table at the end:
   {"w", "cap", "rate", "ref_before", "ref_after", "pct", "within5", "cpu",
-   "cpu_free", "series"}
+   "cpu_free", "under_floor_s", "series"}
 where "cpu" (and "cpu_free", for the free stretches either side) says how
 the workload's busiest thread used its CPU per second it ran, and what the
 daemon used (cpu_use): a loop that runs slower when held either waits for a
@@ -24,6 +24,8 @@ clock, its utilization and the clock event reasons seen (gpu_use): a loop
 that runs slower per second it runs while its device clocks down between
 holds is slowed by its GPU, not its host. "free_series": the per-second
 rates of the free stretches either side (how soon a loop is itself again).
+"under_floor_s": the longest time in a row the capped stretch ran under
+cap − 10 of its free stretches (the fail-open floor).
 """
 from __future__ import annotations
 
@@ -180,11 +182,13 @@ def stretch(lines: list, start: float, end: float, cap: int, before, after,
     ref = sum(refs) / len(refs) if refs else None
     pct = of_free(lines, free, start + settle, end)
     first = mean_rate(lines, start, start + settle)[0]
+    under = under_floor_s(lines, free, start + settle, end, cap)
     return {"cap": cap, "rate": rate and round(rate, 3),
             "ref_before": ref_before and round(ref_before, 3),
             "ref_after": ref_after and round(ref_after, 3), "pct": pct and round(pct, 1),
             "within5": pct is not None and abs(pct - cap) <= 5,
-            "first_s_pct": first and ref and round(100 * first / ref, 1), "series": series}
+            "first_s_pct": first and ref and round(100 * first / ref, 1),
+            "under_floor_s": under and round(under, 1), "series": series}
 
 
 def stretch_columns(ref: str) -> list:
@@ -193,7 +197,8 @@ def stretch_columns(ref: str) -> list:
             (f"own {ref} before / after", lambda r: f"{r['ref_before']} / {r['ref_after']}", "r"),
             (f"% of {ref}", "pct", "r"),
             ("within ±5", lambda r: "yes" if r["within5"] else "no", "l"),
-            ("first 3 s", "first_s_pct", "r"), ("time held", "held", "r")]
+            ("first 3 s", "first_s_pct", "r"),
+            ("longest under cap − 10 (s)", "under_floor_s", "r"), ("time held", "held", "r")]
 
 
 def markdown(rows: list, columns: list) -> None:
@@ -244,6 +249,37 @@ def phase_times(lines: list, start: float, end: float) -> dict:
         if "phase" in rec and arrived - rec["dt"] >= start and arrived <= end:
             out[rec["phase"]] = out.get(rec["phase"], 0.0) + rec["dt"]
     return out
+
+
+FLOOR_POINTS = 10       # the fail-open floor: this many points under the cap
+MIN_INTERVAL_S = 0.25   # shorter intervals (a phase change's remainder) tell nothing
+
+
+def under_floor_s(lines: list, free: list, start: float, end: float, cap: float) -> float | None:
+    """The longest run of consecutive intervals in [start, end] whose rate is
+    under cap − FLOOR_POINTS percent of the free stretches' (`free`), in
+    seconds; a phase's intervals against the free rate in that phase. None
+    without a free rate."""
+    refs: dict = {}
+
+    def ref(phase):
+        if phase not in refs:
+            rates = [r for r in (mean_rate(lines, a, b, phase)[0] for a, b in free) if r]
+            refs[phase] = sum(rates) / len(rates) if rates else None
+        return refs[phase]
+
+    if ref(None) is None:
+        return None
+    run = longest = 0.0
+    for arrived, rec in lines:
+        if arrived - rec["dt"] < start or arrived > end or rec["dt"] < MIN_INTERVAL_S:
+            continue
+        r = ref(rec.get("phase"))
+        if r is None:
+            continue
+        run = run + rec["dt"] if 100 * rec["rate"] / r < cap - FLOOR_POINTS else 0.0
+        longest = max(longest, run)
+    return longest
 
 
 def of_free(lines: list, free: list, start: float, end: float) -> float | None:

@@ -1,0 +1,58 @@
+"""The GPU bench's fail-open floor measure (bench/gpu/suite_ab.py
+under_floor_s), on workload lines built here: the longest time in a row a
+capped stretch ran under cap - 10 of its free stretches."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench" / "gpu"))
+import suite_ab  # noqa: E402 - a bench script, by path
+
+
+def lines_of(rates, t0=0.0, dt=1.0, phase=None):
+    """(arrived, line) pairs as the bench reads a workload's output."""
+    out = []
+    for i, r in enumerate(rates):
+        rec = {"dt": dt, "n": r * dt, "rate": r}
+        if phase is not None:
+            rec["phase"] = phase[i] if isinstance(phase, list) else phase
+        out.append((t0 + (i + 1) * dt, rec))
+    return out
+
+
+FREE = [(0.0, 5.0), (15.0, 20.0)]
+
+
+def test_a_stretch_under_its_floor_is_measured_in_seconds_in_a_row():
+    # free at 100 either side; capped at 50: 2 s dip, back, then 3 s under 40
+    capped = [50, 30, 30, 50, 35, 20, 39, 50, 50, 50]
+    lines = lines_of([100] * 5) + lines_of(capped, t0=5.0) + lines_of([100] * 5, t0=15.0)
+    assert suite_ab.under_floor_s(lines, FREE, 5.0, 15.0, 50) == 3.0
+    assert suite_ab.under_floor_s(lines, FREE, 5.0, 15.0, 30) == 0.0
+
+
+def test_a_phase_is_held_to_the_free_rate_of_that_phase():
+    # train runs at 10 free, eval at 40: capped at 50, 5 and 20 are on the cap
+    free_a = lines_of([10, 10, 40, 40, 10], phase=["train", "train", "eval", "eval", "train"])
+    capped = lines_of([5, 5, 20, 20, 5, 5], t0=5.0,
+                      phase=["train", "train", "eval", "eval", "train", "train"])
+    free_b = lines_of([10, 40, 40, 10, 10], t0=11.0, phase=["train", "eval", "eval", "train", "train"])
+    lines = free_a + capped + free_b
+    free = [(0.0, 5.0), (11.0, 16.0)]
+    assert suite_ab.under_floor_s(lines, free, 5.0, 11.0, 50) == 0.0
+    # the eval seconds at 5 are an eighth of eval's free rate: under
+    slow = lines_of([5, 5, 5, 5, 5, 5], t0=5.0,
+                    phase=["train", "train", "eval", "eval", "train", "train"])
+    assert suite_ab.under_floor_s(free_a + slow + free_b, free, 5.0, 11.0, 50) == 2.0
+
+
+def test_a_phase_change_remainder_neither_counts_nor_breaks_a_run():
+    lines = lines_of([100] * 5) + lines_of([20, 20], t0=5.0)
+    lines.append((7.01, {"dt": 0.01, "n": 0, "rate": 0.0}))
+    lines += lines_of([20, 50], t0=7.01)
+    assert suite_ab.under_floor_s(lines, [(0.0, 5.0)], 5.0, 10.0, 50) == 3.0
+
+
+def test_no_free_rate_measures_nothing():
+    assert suite_ab.under_floor_s(lines_of([20, 20], t0=5.0), [(0.0, 5.0)], 5.0, 7.0, 50) is None
