@@ -136,7 +136,7 @@ class Daemon:
         self.limits.ctx_bytes = cfg.context_bytes if cfg.context_bytes is not None else (
             0 if self.simulated or not self.devices.nvml else DEFAULT_CONTEXT_BYTES)
         self.mechanisms["context_reserve"] = f"{self.limits.ctx_bytes} bytes per process per device"
-        self.stopped = s.stopped_set()
+        self.stopped = s.stopped_set(self.watch.libs)
         pin = s.prepare_kept_state()
         try:
             gate_missing = ("--no-open-gate" if not cfg.open_gate else

@@ -30,6 +30,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from hami_bpf import abi, procfs, ptrace
 
@@ -105,6 +106,15 @@ def resume(pid: int) -> bool:
     except OSError as e:  # EPERM: not ours to signal; say so, never raise
         log.warning("SIGCONT pid %d: %s", pid, e.strerror)
         return False
+
+
+def _at_probe(at_probe: Callable[[int], str | None], pid: int) -> str | None:
+    """at_probe(pid), where reading the process fails: not at a probe."""
+    try:
+        return at_probe(pid)
+    except OSError as e:
+        log.warning("reading where pid %d is stopped: %s", pid, e)
+        return None
 
 
 # --------------------------------------------------------------------------
@@ -544,8 +554,14 @@ class StoppedSet:
             return done
 
     @classmethod
-    def recover(cls, state_dir: str = DEFAULT_STATE_DIR) -> dict[int, str]:
+    def recover(cls, state_dir: str = DEFAULT_STATE_DIR,
+                at_probe: Callable[[int], str | None] | None = None) -> dict[int, str]:
         """At start-up: resume the processes a crashed controller left stopped.
+
+        A process `at_probe` names a probed entry for (a thread stopped one
+        byte past it: a denied allocation not yet answered) is left stopped:
+        resumed now, the call would allocate past its limit. The next
+        daemon's probes answer it once they attach (recover_bpf_stops).
 
         A recorded process is resumed only if (1) its /proc starttime still
         equals the recorded one -- so a reused pid is never touched -- and (2)
@@ -573,6 +589,8 @@ class StoppedSet:
                 out[pid] = f"skipped: start_time {now_start} != recorded {rec.start_time} (pid reused)"
             elif state != "T":
                 out[pid] = f"skipped: state {state!r}, not 'T'"
+            elif at_probe is not None and (sym := _at_probe(at_probe, pid)):
+                out[pid] = f"skipped: stopped at {sym}, answered once the probes attach"
             elif resume(pid):
                 out[pid] = "resumed"
             else:

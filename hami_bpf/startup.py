@@ -77,6 +77,7 @@ class Startup:
         self.previous_version: str | None = None   # of the daemon whose kept state we adopt
         self.adopting = False
         self.locks: list[int] = []
+        self._entry_offs: dict[Path, dict[str, int]] = {}
 
     def raise_priority(self) -> None:
         """Holds end when the loop gets the CPU: on a node whose CPUs the
@@ -166,12 +167,20 @@ class Startup:
         self._record("error", "state_write_failed", path=self.cfg.state_dir, errno=err,
                      state_write_failed=True, detail=what)
 
-    def stopped_set(self) -> enforce.StoppedSet:
-        """The record of processes we stop; what a crashed run left is said."""
+    def stopped_set(self, libs: list[Path]) -> enforce.StoppedSet:
+        """The record of processes we stop; what a crashed run left is said.
+        One stopped at a denied allocation stays so until our probes attach
+        (recover_bpf_stops answers it)."""
+        from . import probes
         cfg = self.cfg
         os.makedirs(cfg.state_dir, mode=0o700, exist_ok=True)
+        offs = self._entry_offsets(libs)
+
+        def denied_at(pid: int) -> str | None:
+            return next((sym for lib in libs for sym, _ in _stopped_at(pid, lib, offs[lib]).values()
+                         if sym in probes.ALLOC_SYMBOLS), None)
         # A previous run that crashed may have left processes stopped.
-        for pid, what in enforce.StoppedSet.recover(cfg.state_dir).items():
+        for pid, what in enforce.StoppedSet.recover(cfg.state_dir, at_probe=denied_at).items():
             self._record("recover", "left_stopped", pid=pid, stop=what)
         stopped = enforce.StoppedSet(cfg.state_dir)
         stopped.on_error = self.state_write_failed
@@ -336,6 +345,16 @@ class Startup:
             self._record("fallback", "probe_cost", lib=str(lib), error=str(e))
             return 0.0
 
+    def _entry_offsets(self, libs: list[Path]) -> dict[Path, dict[str, int]]:
+        """Each library's file offsets of the entries our probes stop at (read
+        once: a real libcuda's symbol table is large)."""
+        from . import libcuda, probes
+        for lib in libs:
+            if lib not in self._entry_offs:
+                self._entry_offs[lib] = libcuda.symbol_file_offsets(
+                    lib, probes.ALLOC_SYMBOLS + probes.LAUNCH_SYMBOLS + ("cuInit",))
+        return self._entry_offs
+
     def recover_bpf_stops(self, libs: list[Path], watch, stopped) -> None:
         """Finish what a previous controller left: processes its probes stopped
         before it could act (it was SIGKILLed). Such a thread sits exactly one
@@ -343,29 +362,19 @@ class Startup:
         one else's stop can leave it; /proc/PID/task/TID/syscall shows its pc
         without ptrace. A denied allocation is failed now; a hold at cuInit is
         released. Other stopped processes are not ours: left alone."""
-        from . import libcuda, probes
+        from . import probes
+        offs = self._entry_offsets(libs)
         for lib in libs:
-            offs = libcuda.symbol_file_offsets(lib, probes.ALLOC_SYMBOLS + probes.LAUNCH_SYMBOLS
-                                               + ("cuInit",))
             for pid in watch.pids_of(lib):
                 if pid == os.getpid():
                     continue
-                entries = {}
-                for sym, off in offs.items():
-                    addr = enforce.entry_address(pid, str(lib), off)
-                    if addr is not None:
-                        entries[addr] = sym
-                for tid in [t for t in procfs.tasks(pid) if procfs.state(pid, t) == "T"]:
-                    pc = procfs.user_pc(pid, tid)
-                    sym = entries.get(pc - 1) if pc else None
-                    if sym is None:
-                        continue
+                for tid, (sym, entry) in _stopped_at(pid, lib, offs[lib]).items():
                     if sym == "cuInit" or sym in probes.LAUNCH_PROBES:
                         enforce.resume(pid)
                         self._record("recover", "hold_released", pid=pid, symbol=sym)
                         continue
                     try:
-                        enforce.fail_call(pid, tid, pc - 1, stopped=stopped)
+                        enforce.fail_call(pid, tid, entry, stopped=stopped)
                         self._record("recover", "denial_finished", pid=pid, symbol=sym)
                     except enforce.EnforceError as e:
                         self._record("error", "denial_unfinished", pid=pid, error=str(e))
@@ -396,3 +405,21 @@ class Startup:
             for pid in watch.pids_of(lib):
                 if pid != os.getpid() and registry.table.resolve(pid) is None:
                     registry.register(pid, time.monotonic_ns(), existing=True)
+
+
+def _stopped_at(pid: int, lib: Path, offs: dict[str, int]) -> dict[int, tuple[str, int]]:
+    """{tid: (symbol, entry address)} of pid's threads stopped (state T) one
+    byte past a probed entry of `lib` (the emulated push %rbp): where only a
+    probe's stop leaves a thread."""
+    entries = {}
+    for sym, off in offs.items():
+        addr = enforce.entry_address(pid, str(lib), off)
+        if addr is not None:
+            entries[addr] = sym
+    out = {}
+    for tid in [t for t in procfs.tasks(pid) if procfs.state(pid, t) == "T"] if entries else []:
+        pc = procfs.user_pc(pid, tid)
+        sym = entries.get(pc - 1) if pc else None
+        if sym is not None:
+            out[tid] = (sym, pc - 1)
+    return out

@@ -563,6 +563,52 @@ def test_recover_resumes_only_matching_stopped(tmp_path):
             p.wait()
 
 
+def test_recover_leaves_a_denied_allocation_stopped_for_the_probes(tmp_path):
+    # Resumed before the next daemon's probes attach, a thread stopped at a
+    # denied allocation would allocate past its limit, and every later call
+    # of it would run unprobed until they attach.
+    procs = [subprocess.Popen(["sleep", "30"]) for _ in range(2)]
+    try:
+        denied, held = (p.pid for p in procs)
+        s = enforce.StoppedSet(str(tmp_path))
+        for pid in (denied, held):
+            os.kill(pid, signal.SIGSTOP)
+            assert _wait_state(pid, "T") == "T"
+            s.add(pid, enforce.proc_start_time(pid), "fail_call")
+        del s  # the controller "crashed"
+
+        at = {denied: "cuMemAlloc_v2"}
+        out = enforce.StoppedSet.recover(str(tmp_path), at_probe=at.get)
+        assert out[held] == "resumed"
+        assert out[denied].startswith("skipped: stopped at cuMemAlloc_v2")
+        assert _wait_state(held, "S") == "S"
+        time.sleep(0.05)
+        assert enforce.proc_state(denied) == "T"
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def test_recover_resumes_where_it_cannot_tell_where_a_process_stopped(tmp_path):
+    p = subprocess.Popen(["sleep", "30"])
+    try:
+        os.kill(p.pid, signal.SIGSTOP)
+        assert _wait_state(p.pid, "T") == "T"
+        s = enforce.StoppedSet(str(tmp_path))
+        s.add(p.pid, enforce.proc_start_time(p.pid), "fail_call")
+        del s
+
+        def unreadable(pid):
+            raise PermissionError(13, "Permission denied")
+        out = enforce.StoppedSet.recover(str(tmp_path), at_probe=unreadable)
+        assert out[p.pid] == "resumed"
+        assert _wait_state(p.pid, "S") == "S"
+    finally:
+        p.kill()
+        p.wait()
+
+
 def test_resume_all_and_resume_gone(tmp_path):
     p = subprocess.Popen(["sleep", "30"])
     try:
