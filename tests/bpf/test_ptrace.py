@@ -10,6 +10,7 @@ large allocation / at the return of cuMemGetInfo_v2 and reports the thread;
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import json
@@ -563,20 +564,29 @@ def test_recover_resumes_only_matching_stopped(tmp_path):
             p.wait()
 
 
+@contextlib.contextmanager
+def recorded_stopped(tmp_path, n):
+    """n sleeping processes, stopped and recorded as a controller that then
+    crashed would leave them: their pids."""
+    procs = [subprocess.Popen(["sleep", "30"]) for _ in range(n)]
+    try:
+        s = enforce.StoppedSet(str(tmp_path))
+        for p in procs:
+            os.kill(p.pid, signal.SIGSTOP)
+            assert _wait_state(p.pid, "T") == "T"
+            s.add(p.pid, enforce.proc_start_time(p.pid), "fail_call")
+        yield [p.pid for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
 def test_recover_leaves_a_denied_allocation_stopped_for_the_probes(tmp_path):
     # Resumed before the next daemon's probes attach, a thread stopped at a
     # denied allocation would allocate past its limit, and every later call
     # of it would run unprobed until they attach.
-    procs = [subprocess.Popen(["sleep", "30"]) for _ in range(2)]
-    try:
-        denied, held = (p.pid for p in procs)
-        s = enforce.StoppedSet(str(tmp_path))
-        for pid in (denied, held):
-            os.kill(pid, signal.SIGSTOP)
-            assert _wait_state(pid, "T") == "T"
-            s.add(pid, enforce.proc_start_time(pid), "fail_call")
-        del s  # the controller "crashed"
-
+    with recorded_stopped(tmp_path, 2) as (denied, held):
         at = {denied: "cuMemAlloc_v2"}
         out = enforce.StoppedSet.recover(str(tmp_path), at_probe=at.get)
         assert out[held] == "resumed"
@@ -584,29 +594,15 @@ def test_recover_leaves_a_denied_allocation_stopped_for_the_probes(tmp_path):
         assert _wait_state(held, "S") == "S"
         time.sleep(0.05)
         assert enforce.proc_state(denied) == "T"
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
 
 
 def test_recover_resumes_where_it_cannot_tell_where_a_process_stopped(tmp_path):
-    p = subprocess.Popen(["sleep", "30"])
-    try:
-        os.kill(p.pid, signal.SIGSTOP)
-        assert _wait_state(p.pid, "T") == "T"
-        s = enforce.StoppedSet(str(tmp_path))
-        s.add(p.pid, enforce.proc_start_time(p.pid), "fail_call")
-        del s
-
-        def unreadable(pid):
-            raise PermissionError(13, "Permission denied")
+    def unreadable(pid):
+        raise PermissionError(13, "Permission denied")
+    with recorded_stopped(tmp_path, 1) as (pid,):
         out = enforce.StoppedSet.recover(str(tmp_path), at_probe=unreadable)
-        assert out[p.pid] == "resumed"
-        assert _wait_state(p.pid, "S") == "S"
-    finally:
-        p.kill()
-        p.wait()
+        assert out[pid] == "resumed"
+        assert _wait_state(pid, "S") == "S"
 
 
 def test_resume_all_and_resume_gone(tmp_path):
