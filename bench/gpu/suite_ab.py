@@ -251,6 +251,13 @@ def phase_times(lines: list, start: float, end: float) -> dict:
     return out
 
 
+def free_rate(lines: list, free: list, phase: str | None = None) -> float | None:
+    """The mean of the free stretches' (`free`, [(start, end)]) rates, in
+    `phase` where given; None where none has one."""
+    rates = [r for r in (mean_rate(lines, a, b, phase)[0] for a, b in free) if r]
+    return sum(rates) / len(rates) if rates else None
+
+
 FLOOR_POINTS = 10       # the fail-open floor: this many points under the cap
 MIN_INTERVAL_S = 0.25   # shorter intervals (a phase change's remainder) tell nothing
 
@@ -264,8 +271,7 @@ def under_floor_s(lines: list, free: list, start: float, end: float, cap: float)
 
     def ref(phase):
         if phase not in refs:
-            rates = [r for r in (mean_rate(lines, a, b, phase)[0] for a, b in free) if r]
-            refs[phase] = sum(rates) / len(rates) if rates else None
+            refs[phase] = free_rate(lines, free, phase)
         return refs[phase]
 
     if ref(None) is None:
@@ -288,9 +294,8 @@ def of_free(lines: list, free: list, start: float, end: float) -> float | None:
     rate against the free stretches' rate in that phase, weighted by the
     stretch's time in it), else overall."""
     def ratio(phase=None):
-        rate = mean_rate(lines, start, end, phase)[0]
-        refs = [r for r in (mean_rate(lines, a, b, phase)[0] for a, b in free) if r]
-        return rate / (sum(refs) / len(refs)) if rate and refs else None
+        rate, ref = mean_rate(lines, start, end, phase)[0], free_rate(lines, free, phase)
+        return rate / ref if rate and ref else None
     times = phase_times(lines, start, end)
     if not times:
         r = ratio()
