@@ -174,9 +174,9 @@ class Startup:
         from . import probes
         cfg = self.cfg
         os.makedirs(cfg.state_dir, mode=0o700, exist_ok=True)
-        offs = self._entry_offsets(libs)
 
         def denied_at(pid: int) -> str | None:
+            offs = self._entry_offsets(libs)    # read only where a record is left
             return next((sym for lib in libs for sym, _ in _stopped_at(pid, lib, offs[lib]).values()
                          if sym in probes.ALLOC_SYMBOLS), None)
         # A previous run that crashed may have left processes stopped.
