@@ -81,8 +81,8 @@ import statistics
 from dataclasses import dataclass
 from enum import Enum
 
-SAMPLE_S = 2.0          # a sample's length, run free
-SAMPLE_MEASURE_S = 1.0  # ... measured over its last this long
+SAMPLE_S = 1.5          # a sample's length, run free
+SAMPLE_MEASURE_S = 0.5  # ... measured over its last this long
 SAMPLE_SHARE = 0.1      # samples' share of a paced group's running time (default)
 FIRST_RUN_S = 1.0       # paced running before the first sample, and after a dropped one
 RUN_GROWTH = 3.0        # ... and RUN_GROWTH times as long before each next one, until the
@@ -94,7 +94,7 @@ MIN_SPEED = 0.7         # the speed, at least (run cap / 0.7 of the time at most
 MAX_SPEED = 1.0         # ... at most: never under its cap's share of the time
 ESTIMATES = 3           # the speed: the mean of this many last readings and the prior
 PRIOR_WEIGHT = 1        # ... the prior counted as this many readings, at least
-PRIOR_SPREAD = 0.07     # ... or as (the readings' spread / this)^2: the first guess's own spread
+PRIOR_SPREAD = 0.1      # ... or as (the readings' spread / this)^2: the first guess's own spread
                         # (held decode loops did 0.77-0.93 of their free speed); 0: never
 MIN_RATIO = 0.5         # a ratio outside these: a phase change, not the stops' cost
 MAX_RATIO = 1.6

@@ -165,19 +165,28 @@ def test_a_pair_replay_of_one_workload_is_the_single_replay():
     assert pair.stops == one.stops and duty.Mode.DUTY in {m for _, m in pair.modes}
 
 
-def test_the_pair_command_slows_the_side_it_is_told_and_takes_uncapped_sides(capsys):
+def test_the_pair_command_slows_the_side_it_is_told_and_takes_uncapped_sides(capsys, monkeypatch):
     a, b = (str(TRACES / f"{n}.json.gz") for n in ("cnn_train", "llm_decode"))
     if not all(Path(p).exists() for p in (a, b)):
         pytest.skip("no recordings")
+    colds, real = [], pairs.replay_pair
+
+    def replay_pair(wls, caps, **kw):
+        colds.append(kw.get("colds"))
+        return real(wls, caps, **kw)
+    monkeypatch.setattr(pairs, "replay_pair", replay_pair)
     args = [a, b, "--held", "--repeat", "3", "--horizon", "60", "--pair", "none:50,30:50"]
     assert replay.main(args + ["--slowed", "second"]) == 0
     lines = capsys.readouterr().out.splitlines()[-2:]
     assert "cnn_train cap -:" in lines[0] and "llm_decode cap 50:" in lines[0]
+    assert "cnn_train cap 30:" in lines[1] and "llm_decode cap 50:" in lines[1]
+    # each split replays both sides together, only the side named slowed by a stop
+    together = [c for c in colds if c is not None and len(c) == 2]
+    assert together and all(c == [None, replay.HELD_MEASURED] for c in together)
+    colds.clear()
     assert replay.main(args + ["--slowed", "first"]) == 0
-    first = capsys.readouterr().out.splitlines()[-1]
-    # the CNN slowed by its holds lands lower than where only the decode loop was
-    assert float(first.split("cnn_train cap 30:")[1].split()[0]) < \
-        float(lines[1].split("cnn_train cap 30:")[1].split()[0])
+    together = [c for c in colds if c is not None and len(c) == 2]
+    assert together and all(c == [replay.HELD_MEASURED, None] for c in together)
 
 
 @pytest.mark.parametrize("a,b,caps", (("bert_infer", "llm_decode", (30, 70)),

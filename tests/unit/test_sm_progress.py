@@ -315,7 +315,7 @@ def test_a_sampling_group_is_not_held_and_repays_what_the_sample_ran_after_it():
     # (Nothing given back before it is measured: duty.HOST_STOP_SHARE's own tests.)
     p = duty.DutyPacer(host_stop_share=0.0)
     free_since, ran_free, asked_while_sampling = None, [], 0
-    reserve_after_first = last_debt = owed_before = 0.0
+    reserve_after_first = last_debt = owed_before = owed_before_first = 0.0
     for t, d, held_s in paced(p, 50.0, 240.0):
         k = d.keys[KEY]
         if k.sampling:
@@ -326,13 +326,13 @@ def test_a_sampling_group_is_not_held_and_repays_what_the_sample_ran_after_it():
             ran_free.append(t - free_since)
             free_since = None
             if len(ran_free) == 1:
-                reserve_after_first = p.reserve(KEY)
+                reserve_after_first, owed_before_first = p.reserve(KEY), owed_before
         last_debt = k.debt
     assert len(ran_free) >= 4 and asked_while_sampling == 0
     assert ran_free[0] == pytest.approx(progress.SAMPLE_S, abs=2 * TICK)
     # what the sample ran owes as much as running paced would have, and
     # what it owed when it began is owed still
-    assert reserve_after_first == pytest.approx(owed_before + progress.SAMPLE_S, abs=0.05)
+    assert reserve_after_first == pytest.approx(owed_before_first + progress.SAMPLE_S, abs=0.05)
     assert p.speed(KEY) == pytest.approx(1.0, abs=0.02)
     assert held_s / t == pytest.approx(0.5, abs=0.02)
 
