@@ -87,7 +87,7 @@ SAMPLE_SHARE = 0.1      # samples' share of a paced group's running time (defaul
 FIRST_RUN_S = 1.0       # paced running before the first sample, and after a dropped one
 RUN_GROWTH = 3.0        # ... and RUN_GROWTH times as long before each next one, until the
                         # share sets the pace
-PACED_SETTLE_S = 0.3    # after a sample, paced running left out of the paced rate
+PACED_SETTLE_S = 0.5    # after a sample, paced running left out of the paced rate
 PACED_WINDOW_S = 3.0    # the paced rate: over this much running before a sample, at most
 MIN_LAUNCHES = 50       # launches a rate is taken over, at least (each of paced and free)
 MIN_SPEED = 0.7         # the speed, at least (run cap / 0.7 of the time at most)
