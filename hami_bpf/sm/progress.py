@@ -94,7 +94,7 @@ MIN_SPEED = 0.7         # the speed, at least (run cap / 0.7 of the time at most
 MAX_SPEED = 1.0         # ... at most: never under its cap's share of the time
 ESTIMATES = 3           # the speed: the mean of this many last readings and the prior
 PRIOR_WEIGHT = 1        # ... the prior counted as this many readings, at least
-PRIOR_SPREAD = 0.1      # ... or as (the readings' spread / this)^2: the first guess's own spread
+PRIOR_SPREAD = 0.07     # ... or as (the readings' spread / this)^2: the first guess's own spread
                         # (held decode loops did 0.77-0.93 of their free speed); 0: never
 MIN_RATIO = 0.5         # a ratio outside these: a phase change, not the stops' cost
 MAX_RATIO = 1.6
