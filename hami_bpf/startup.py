@@ -417,7 +417,9 @@ def _stopped_at(pid: int, lib: Path, offs: dict[str, int]) -> dict[int, tuple[st
         if addr is not None:
             entries[addr] = sym
     out = {}
-    for tid in [t for t in procfs.tasks(pid) if procfs.state(pid, t) == "T"] if entries else []:
+    if not entries:
+        return out
+    for tid in [t for t in procfs.tasks(pid) if procfs.state(pid, t) == "T"]:
         pc = procfs.user_pc(pid, tid)
         sym = entries.get(pc - 1) if pc else None
         if sym is not None:
