@@ -577,7 +577,7 @@ class DutyPacer:
             alone = mode is Mode.DUTY and key not in obs.shared and not by_neighbour
             drops, phases = k.meter.dropped, k.meter.phases
             sample = k.meter.step(now, u.launches, k.held_s,
-                                  alone and k.sampled and k.cap >= SAMPLE_FROM_CAP, held)
+                                  alone and k.sampled and k.cap >= SAMPLE_FROM_CAP, held, k.cap)
             if sample is not None:
                 measured.append((key, sample))
             if k.meter.dropped != drops:

@@ -10,25 +10,35 @@ loop did 77-93% of its free work per second of running in one minute and
 launch-bound loop's host: docs/facts.md). A fixed allowance is right in one
 such minute and 10-15 points off in the next.
 
-How: a group alone on its device, paced by time, runs free now and then for
-SAMPLE_S (no holds: what it owes for that time is repaid over the following
-seconds, see duty.DutyPacer), and its launches per second over the sample's
-last SAMPLE_MEASURE_S are its free rate; its launches per second of running
-over its last PACED_WINDOW_S of running before the sample (close to it in
-time: a loop's phases launch at different rates) are its paced rate. Their
-ratio is its speed: run cap / speed of the time and it does cap% of its
-free work.
+How: a group alone on its device, paced by time, runs free now and then
+for a sample (no holds: what it owes for that time is repaid over the
+following seconds, see duty.DutyPacer), and its launches per second over
+the sample after its first SAMPLE_SKIP_S are its free rate; its launches
+per second of running over its last PACED_WINDOW_S of running before the
+sample (close to it in time: a loop's phases launch at different rates) are
+its paced rate. Their ratio is its speed: run cap / speed of the time and
+it does cap% of its free work.
 Launches stand for work: a loop repeats its steps, and a step its launches,
 so launches per second are steps per second whatever each launch costs.
 
-The sample's first SAMPLE_S - SAMPLE_MEASURE_S are left out: a held loop
-stays slow for a while after a stop, and the free rate is the loop's own.
+The sample's first SAMPLE_SKIP_S are left out: a held loop stays slow for
+a while after a stop, and the free rate is the loop's own. So the longer
+the sample, the more of the loop's own speed it sees; but what it runs over
+the cap's share is owed, and repaid no faster than duty.REPAY_SHARE allows:
+on a short cap most of it would still be owed when the cap ends. A sample
+is SAMPLE_S long, and longer where the cap leaves less to owe (up to
+SAMPLE_MAX_S, while it owes at most SAMPLE_OWES_S): 1.5 s at cap 50, 2 s
+from cap 63 up, where a speed's error moves the share most (by 8 points
+per 0.1 at cap 75, 5 at 50). On the H200 at cap 75, launch-bound loops
+sampled for 1.5 s read their speed high and sat 4-9 s under cap - 10;
+sampled for 2 s, in the same run, none did.
 Samples take SAMPLE_SHARE of a group's running time: the first comes after
 FIRST_RUN_S of paced running (the estimate is in use within seconds of the
 group being paced), the next after RUN_GROWTH times as much (a first
 sample taken in a warm-up is soon outvoted), and so on until they are
-SAMPLE_S / SAMPLE_SHARE of running apart (a phase change is followed within
-that); after a dropped sample the next comes after FIRST_RUN_S again.
+a sample's length / SAMPLE_SHARE of running apart (a phase change is
+followed within that); after a dropped sample the next comes after
+FIRST_RUN_S again.
 
 Only a loop that spends little of its running time inside synchronize
 calls is measured (duty.LAUNCH_BOUND_SHARE): its launching thread sets its
@@ -81,13 +91,15 @@ import statistics
 from dataclasses import dataclass
 from enum import Enum
 
-SAMPLE_S = 1.5          # a sample's length, run free
-SAMPLE_MEASURE_S = 0.5  # ... measured over its last this long
+SAMPLE_S = 1.5          # a sample's length, run free, at least
+SAMPLE_MAX_S = 2.0      # ... at most
+SAMPLE_OWES_S = 0.75    # ... as long as what it runs over its cap's share stays within this
+SAMPLE_SKIP_S = 1.0     # ... its first this long not measured
 SAMPLE_SHARE = 0.1      # samples' share of a paced group's running time (default)
 FIRST_RUN_S = 1.0       # paced running before the first sample, and after a dropped one
 RUN_GROWTH = 3.0        # ... and RUN_GROWTH times as long before each next one, until the
                         # share sets the pace
-PACED_SETTLE_S = 0.5    # after a sample, paced running left out of the paced rate
+PACED_SETTLE_S = 0.3    # after a sample, paced running left out of the paced rate
 PACED_WINDOW_S = 3.0    # the paced rate: over this much running before a sample, at most
 MIN_LAUNCHES = 50       # launches a rate is taken over, at least (each of paced and free)
 MIN_SPEED = 0.7         # the speed, at least (run cap / 0.7 of the time at most)
@@ -102,6 +114,13 @@ SAME_PHASE = 0.3        # paced rates before and after a sample this close (rela
 NEW_PHASE = 1.6         # paced this many times faster or slower than at the last reading: another
                         # phase, whose readings are forgotten
 PHASE_CHECK_S = 1.0     # ... told over this much paced running, at least
+
+
+def sample_s(cap: float) -> float:
+    """A free sample's length at a cap (percent): SAMPLE_S, longer where it
+    runs less over the cap's share, up to SAMPLE_MAX_S."""
+    over = 1.0 - min(max(cap, 0.0), 99.0) / 100.0
+    return min(max(SAMPLE_OWES_S / over, SAMPLE_S), SAMPLE_MAX_S)
 
 
 class Phase(str, Enum):
@@ -179,6 +198,7 @@ class ProgressMeter:
         self._before = (0.0, 0.0)           # (paced rate, running it was taken over)
         self._free_hz = 0.0
         self._readings: collections.deque = collections.deque(maxlen=ESTIMATES)
+        self._sample_s = SAMPLE_S           # the next (or current) sample's length
 
     @property
     def sampling(self) -> bool:
@@ -199,17 +219,20 @@ class ProgressMeter:
         """Paced running before the next sample: FIRST_RUN_S before the first
         and after a dropped one, RUN_GROWTH times as long after each one that
         measured, until the share sets the pace."""
-        steady = SAMPLE_S * (1.0 / self.share - 1.0)
+        steady = self._sample_s * (1.0 / self.share - 1.0)
         if self._retry:
             return min(FIRST_RUN_S, steady)
         return min(FIRST_RUN_S * RUN_GROWTH ** self._run, steady)
 
     def step(self, now: float, launches: int, held_s: float, measured: bool,
-             held: bool = False) -> Sample | None:
+             held: bool = False, cap: float = 0.0) -> Sample | None:
         """`launches`: launches counted so far; `held_s`: time held so far;
         `measured`: alone on its device, paced by time, and launch-bound;
-        `held`: held now (a sample starts once it runs). A Sample when one
+        `held`: held now (a sample starts once it runs); `cap`: its cap
+        (percent), which sets the next sample's length. A Sample when one
         measured the group's speed."""
+        if self.phase is not Phase.SAMPLING:
+            self._sample_s = sample_s(cap)
         if not measured or self.share <= 0:
             if self.phase in (Phase.SAMPLING, Phase.CONFIRMING):
                 self._drop()
@@ -295,10 +318,10 @@ class ProgressMeter:
             self._to(Phase.PACED, now, launches, held_s, PACED_SETTLE_S)
             return None
         if self._free_mark is None:
-            if now - self._since >= SAMPLE_S - SAMPLE_MEASURE_S:
+            if now - self._since >= SAMPLE_SKIP_S:
                 self._free_mark = (now, launches)
             return None
-        if now - self._since < SAMPLE_S:
+        if now - self._since < self._sample_s:
             return None
         t1, n1 = self._free_mark
         if launches - n1 < MIN_LAUNCHES or now <= t1:
