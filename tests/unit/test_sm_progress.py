@@ -337,6 +337,33 @@ def test_a_sampling_group_is_not_held_and_repays_what_the_sample_ran_after_it():
     assert held_s / t == pytest.approx(0.5, abs=0.02)
 
 
+@pytest.mark.parametrize("cap,length", [(50.0, progress.SAMPLE_S), (60.0, 1.875),
+                                        (75.0, progress.SAMPLE_MAX_S)])
+def test_a_sample_is_longer_where_its_cap_leaves_it_less_to_owe(cap, length):
+    # What a sample runs over its cap's share is owed: 1.5 s at cap 50, and
+    # longer, to 2 s, as the cap rises, while it owes SAMPLE_OWES_S at most.
+    assert progress.sample_s(cap) == pytest.approx(length)
+    p = duty.DutyPacer(host_stop_share=0.0)
+    free_since, ran_free = None, []
+    for t, d, _held_s in paced(p, cap, 60.0):
+        if d.keys[KEY].sampling:
+            free_since = t if free_since is None else free_since
+        elif free_since is not None:
+            ran_free.append(t - free_since)
+            free_since = None
+    assert len(ran_free) >= 2
+    assert all(r == pytest.approx(length, abs=2 * TICK) for r in ran_free)
+
+
+@given(cap=st.floats(min_value=0.0, max_value=100.0))
+def test_a_sample_owes_at_most_its_bound_unless_it_is_as_short_as_samples_are(cap):
+    length = progress.sample_s(cap)
+    assert progress.SAMPLE_S <= length <= progress.SAMPLE_MAX_S
+    owed = length * (1.0 - min(cap, 99.0) / 100.0)
+    assert owed <= progress.SAMPLE_OWES_S + 1e-9 or length == progress.SAMPLE_S
+    assert length > progress.SAMPLE_SKIP_S     # something is measured
+
+
 @pytest.mark.parametrize("cap", [10.0, 25.0, duty.SAMPLE_FROM_CAP, 50.0])
 def test_caps_under_sample_from_cap_are_never_sampled_and_keep_the_first_guess(cap):
     # A launch-bound loop (no time inside synchronize calls): under
