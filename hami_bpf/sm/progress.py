@@ -27,8 +27,8 @@ the sample, the more of the loop's own speed it sees; but what it runs over
 the cap's share is owed, and repaid no faster than duty.REPAY_SHARE allows:
 on a short cap most of it would still be owed when the cap ends. A sample
 is SAMPLE_S long, and longer where the cap leaves less to owe (up to
-SAMPLE_MAX_S, while it owes at most SAMPLE_OWES_S): 1.5 s at cap 50, 2 s
-from cap 63 up, where a speed's error moves the share most (by 8 points
+SAMPLE_MAX_S, while it owes at most SAMPLE_OWES_S): 1.5 s up to cap 60, 2 s
+from cap 70 up, where a speed's error moves the share most (by 8 points
 per 0.1 at cap 75, 5 at 50). On the H200 at cap 75, launch-bound loops
 sampled for 1.5 s read their speed high and sat 4-9 s under cap - 10;
 sampled for 2 s, in the same run, none did.
@@ -93,7 +93,7 @@ from enum import Enum
 
 SAMPLE_S = 1.5          # a sample's length, run free, at least
 SAMPLE_MAX_S = 2.0      # ... at most
-SAMPLE_OWES_S = 0.75    # ... as long as what it runs over its cap's share stays within this
+SAMPLE_OWES_S = 0.6     # ... as long as what it runs over its cap's share stays within this
 SAMPLE_SKIP_S = 1.0     # ... its first this long not measured
 SAMPLE_SHARE = 0.1      # samples' share of a paced group's running time (default)
 FIRST_RUN_S = 1.0       # paced running before the first sample, and after a dropped one

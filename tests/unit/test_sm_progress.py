@@ -337,10 +337,10 @@ def test_a_sampling_group_is_not_held_and_repays_what_the_sample_ran_after_it():
     assert held_s / t == pytest.approx(0.5, abs=0.02)
 
 
-@pytest.mark.parametrize("cap,length", [(50.0, progress.SAMPLE_S), (60.0, 1.875),
+@pytest.mark.parametrize("cap,length", [(50.0, progress.SAMPLE_S), (65.0, 0.6 / 0.35),
                                         (75.0, progress.SAMPLE_MAX_S)])
 def test_a_sample_is_longer_where_its_cap_leaves_it_less_to_owe(cap, length):
-    # What a sample runs over its cap's share is owed: 1.5 s at cap 50, and
+    # What a sample runs over its cap's share is owed: 1.5 s up to cap 60, and
     # longer, to 2 s, as the cap rises, while it owes SAMPLE_OWES_S at most.
     assert progress.sample_s(cap) == pytest.approx(length)
     p = duty.DutyPacer(host_stop_share=0.0)
