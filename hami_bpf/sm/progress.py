@@ -30,8 +30,8 @@ is SAMPLE_S long, and longer where the cap leaves less to owe (up to
 SAMPLE_MAX_S, while it owes at most SAMPLE_OWES_S): 1.5 s up to cap 60, 2 s
 from cap 70 up, where a speed's error moves the share most (by 8 points
 per 0.1 at cap 75, 5 at 50). On the H200 at cap 75, launch-bound loops
-sampled for 1.5 s read their speed high and sat 4-9 s under cap - 10;
-sampled for 2 s, in the same run, none did.
+sampled for 1.5 s sat 4-9 s under cap - 10; sampled for 2 s, in the same
+process a minute later, none did.
 Samples take SAMPLE_SHARE of a group's running time: the first comes after
 FIRST_RUN_S of paced running (the estimate is in use within seconds of the
 group being paced), the next after RUN_GROWTH times as much (a first
