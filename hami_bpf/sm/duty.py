@@ -93,8 +93,9 @@ the time given back is then time no one else wanted, where next to a neighbour
 it would be the neighbour's (a CNN capped at 30 next to a decode loop at 70
 given it back made 20.4% of its speed). Beside neighbours it is given back as
 much of the first guess as the time their caps leave unclaimed covers
-(Observation.spare: 20% beside a neighbour at 30 for a cap of 50), split
-between the groups given some there: that time is no one's. Beside
+(Observation.spare: 20% beside a neighbour at 30 for a cap of 50; all of it
+beside uncapped groups only, which are promised nothing), split between the
+groups given some there: that time is no one's. Beside
 launch-bound groups only it is given it all (KeyDecision.overlap: each paced
 by its own synchronizes, quiet, and its device read under LAUNCH_IDLE_BUSY
 per second it ran, alone or with their work included, for LIGHT_AFTER_S;

@@ -24,10 +24,11 @@ def beside_others(key: Key, active_keys: Iterable[Key]) -> bool:
 
 def spare_time(caps: Mapping[Key, float], active_keys: Iterable[Key]) -> dict[int, float]:
     """Per device, the share of its time (percent) no cap claims: 100 less the
-    caps of `active_keys` (capped or not), 0 where one of them is uncapped (it
-    takes what it can)."""
+    caps of the capped groups among `active_keys`. An uncapped group claims
+    none: it is promised nothing and takes what the capped ones leave, so a
+    capped group held for its cap may be given back what being held costs it
+    out of that time, as it is where it runs alone."""
     claimed: dict[int, float] = collections.defaultdict(float)
     for key in active_keys:
-        cap = caps.get(key)
-        claimed[key[1]] += 100.0 if cap is None else cap
+        claimed[key[1]] += caps.get(key, 0.0)
     return {dev: max(0.0, 100.0 - c) for dev, c in claimed.items()}

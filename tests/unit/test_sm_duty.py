@@ -876,13 +876,14 @@ def test_beside_a_neighbour_with_no_time_spare_nothing_is_given_back():
     assert stop_share == 0.0 and said == [] and abs(share - 70) <= 2.0, share
 
 
-def test_spare_time_is_what_no_active_group_claims_and_none_beside_an_uncapped_one():
+def test_spare_time_is_what_no_active_group_s_cap_claims():
     caps = {(0, 0): 30.0, (1, 0): 50.0, (0, 1): 40.0}
     assert sharing.spare_time(caps, [(0, 0), (1, 0)]) == {0: 20.0}
     assert sharing.spare_time(caps, [(0, 0), (1, 0), (0, 1)]) == {0: 20.0, 1: 60.0}
-    # a group with no cap on the device takes what it can
-    assert sharing.spare_time(caps, [(0, 0), (2, 0)]) == {0: 0.0}
-    assert sharing.spare_time(caps, [(0, 0), (1, 1)]) == {0: 70.0, 1: 0.0}
+    # a group with no cap on the device is promised nothing: it claims none
+    assert sharing.spare_time(caps, [(0, 0), (2, 0)]) == {0: 70.0}
+    assert sharing.spare_time(caps, [(0, 0), (1, 1)]) == {0: 70.0, 1: 100.0}
+    assert sharing.spare_time(caps, [(0, 0), (1, 0), (2, 0)]) == {0: 20.0}
     assert sharing.spare_time({(0, 0): 70.0, (1, 0): 50.0}, [(0, 0), (1, 0)]) == {0: 0.0}
 
 

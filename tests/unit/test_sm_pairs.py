@@ -138,14 +138,18 @@ def test_beside_a_neighbour_a_loop_slowed_by_its_holds_is_given_back_time_no_cap
     assert both / (hi - lo) < 0.02, (both, _line(sides))
 
 
-def test_beside_an_uncapped_neighbour_nothing_is_given_back():
-    """An uncapped group takes what it can: no time is spare beside it, and
-    the capped decode loop runs its cap's share of the time, no more (its
-    neighbour another decode loop, so that it stays launch-bound)."""
+def test_beside_an_uncapped_neighbour_a_launch_bound_loop_is_given_back_what_holds_cost_it():
+    """An uncapped group is promised nothing: no cap claims the time beside
+    it, so a capped decode loop that loses speed for a while after each hold
+    is given back the first guess of that loss (duty.HOST_STOP_SHARE) and
+    makes its cap's share of its rate, where holding it to its cap's share
+    of the time made 42 (its neighbour another decode loop, so that it stays
+    launch-bound). The neighbour is never held."""
     runs, sides = _pair("gpt2_decode", "llm_decode", (None, 50), (None, HELD_LOSS))
+    assert abs(100 * sides[1].mean - 50) <= TOLERANCE_PTS, _line(sides)
     lo, hi = sides[1].window
     ran = sum(b - a for a, b in _running(runs[1], lo, hi)) / (hi - lo)
-    assert abs(100 * ran - 50) <= TOLERANCE_PTS, _line(sides)
+    assert abs(100 * ran - 50 / (1 - duty.HOST_STOP_SHARE)) <= 2.0, (ran, _line(sides))
     assert runs[0].holds == []
 
 
