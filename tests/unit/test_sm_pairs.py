@@ -142,9 +142,9 @@ def test_beside_an_uncapped_neighbour_a_launch_bound_loop_is_given_back_what_hol
     """An uncapped group is promised nothing: no cap claims the time beside
     it, so a capped decode loop that loses speed for a while after each hold
     is given back the first guess of that loss (duty.HOST_STOP_SHARE) and
-    makes its cap's share of its rate, where holding it to its cap's share
-    of the time made 42 (its neighbour another decode loop, so that it stays
-    launch-bound). The neighbour is never held."""
+    makes its cap's share of its rate (held for its cap's share of the time
+    alone it makes about 42; its neighbour is another decode loop, so that
+    it stays launch-bound). The neighbour is never held."""
     runs, sides = _pair("gpt2_decode", "llm_decode", (None, 50), (None, HELD_LOSS))
     assert abs(100 * sides[1].mean - 50) <= TOLERANCE_PTS, _line(sides)
     lo, hi = sides[1].window
