@@ -137,10 +137,10 @@ class UnixGroupType(click.ParamType):
               default=DEFAULT_SM_GIVEBACK_PCT, show_default=True,
               help="A capped group whose GPU has finished its work by the time it synchronizes "
                    "(under 5% of its running time inside synchronize calls, as an LLM decode "
-                   "loop) runs this share of its running time more, while no other group uses "
-                   "its GPU, or beside other capped groups as far as the time their caps leave "
-                   "unclaimed goes: being held slows such a loop by about that much. 0: held "
-                   "for its cap alone. Used until the group's speed is measured "
+                   "loop) runs this share of its running time more, alone on its GPU or beside "
+                   "uncapped groups only, or beside other capped groups as far as the time their "
+                   "caps leave unclaimed goes: being held slows such a loop by about that much. "
+                   "0: held for its cap alone. Used until the group's speed is measured "
                    "(--sm-sample-pct).")
 @click.option("--sm-sample-pct", "sm_sample_pct", type=click.IntRange(0, 25),
               default=DEFAULT_SM_SAMPLE_PCT, show_default=True,
