@@ -13,7 +13,11 @@ sample), alone on its device, runs free every SAMPLE_EVERY_S for SAMPLE_S;
 one its launching thread paces (throttle.gpu_bound: not) first
 FIRST_HOST_S after its budget learned (a diffusion sampler learned in
 the slow seconds after a cap came, then held at 58% of its speed where its
-cap was 75, for the 10 s until its first sample).
+cap was 75, for the 10 s until its first sample), and again FIRST_HOST_S
+after a sample that read it slower than the rate it checked: that sample
+fell in a slow spell of its CPU, which says nothing of the fast one that
+may follow (a sampler that learned and was sampled in slow spells alike ran
+at 51% of its speed under a cap of 75 until its next sample, 10 s on).
 Its launch rate over the last MEASURE_S of that sets its full rate where
 it differs from the current one by DEADBAND or more, but never under the
 rate its budget holds without the samples (learned, and as the guard
@@ -35,7 +39,7 @@ from dataclasses import dataclass
 from ..throttle import MIN_RATE, Budget, correct_rate
 
 SAMPLE_EVERY_S = 10.0  # paced this long between samples
-FIRST_HOST_S = 3.0     # ... and before the first, for a group its launching thread paces
+FIRST_HOST_S = 3.0     # ... before the first and after one that read it slower, for a group its launching thread paces
 SAMPLE_S = 1.0         # run free this long
 MEASURE_S = 0.5        # ... its launch rate taken over the last this-long of it
 MIN_HELD = 0.1         # held this part of the time since the last sample: the budget binds
@@ -68,7 +72,7 @@ class _Key:
     mark: tuple[float, int] | None = None   # (time, consumed) where the measure starts
     quiet_until: float = 0.0        # its sample's work repaid by then
     applied: float = 1.0            # the samples' gains on its full rate, in all
-    first: bool = True              # none checked yet
+    soon: bool = True               # none checked yet, or the last read it slower
 
 
 class Resampler:
@@ -117,12 +121,12 @@ class Resampler:
             if held:
                 k.held_s += dt
             span = now - k.since
-            every = FIRST_HOST_S if k.first and host_bound else SAMPLE_EVERY_S
+            every = FIRST_HOST_S if k.soon and host_bound else SAMPLE_EVERY_S
             if span < every or not alone or full_rate <= 0:
                 return False, None
             if k.held_s < MIN_HELD * span:
                 # Its budget barely binds: nothing to check; look again later.
-                k.since, k.held_s, k.first = now, 0.0, False
+                k.since, k.held_s, k.soon = now, 0.0, False
                 return False, None
             k.free_from, k.mark = now, None
             return True, None
@@ -142,6 +146,7 @@ class Resampler:
             return False, Result(0.0, full_rate, 1.0)
         free = (consumed - c0) / (now - t0)
         want = free / (full_rate / k.applied)     # against the rate without the samples
+        k.soon = want <= (1.0 - DEADBAND) * k.applied
         if abs(want - k.applied) < DEADBAND * k.applied:
             return False, Result(free, full_rate, 1.0)
         applied = min(max(want, 1.0), GAIN_MAX)
@@ -150,7 +155,7 @@ class Resampler:
 
     @staticmethod
     def _end(k: _Key, now: float) -> None:
-        k.free_from, k.mark, k.since, k.held_s, k.first = None, None, now, 0.0, False
+        k.free_from, k.mark, k.since, k.held_s, k.soon = None, None, now, 0.0, False
 
 
 def settle(b: Budget, res: Result, consumed: int) -> float:

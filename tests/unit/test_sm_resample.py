@@ -62,6 +62,27 @@ def test_a_group_its_launcher_paces_is_first_sampled_soon_after_it_learned():
     assert results == []        # one the GPU paces: not before SAMPLE_EVERY_S
 
 
+def test_a_host_bound_loop_read_slower_than_its_rate_is_sampled_again_soon():
+    """A sample in a slow spell of its CPU (80% of the learned rate) says
+    nothing of the fast spell after it: the next comes FIRST_HOST_S after,
+    and raises the rate the loop now runs at. One its GPU paces waits out
+    SAMPLE_EVERY_S whatever a sample read."""
+    speed = lambda t: 800.0 if t < 5.0 else 2000.0    # noqa: E731
+    _free, results = paced(Resampler(), rate_in_sample=speed, until=10.0, host_bound=True)
+    (t0, res0), (t1, res1) = results
+    assert res0.gain == 1.0 and res0.free_rate < 0.9 * res0.full_rate
+    assert t1 - t0 <= resample.FIRST_HOST_S + resample.SAMPLE_S + 2 * TICK
+    assert abs(res1.gain - 2.0) < 0.05
+    _free, results = paced(Resampler(), rate_in_sample=lambda t: 800.0 if t < 12 else 2000.0,
+                           until=21.0)
+    (t0, _res0), = results
+    assert t0 >= resample.SAMPLE_EVERY_S
+    # Read at its rate, a host-bound loop waits SAMPLE_EVERY_S too.
+    _free, results = paced(Resampler(), rate_in_sample=1000.0, until=14.0, host_bound=True)
+    (t0, res0), = results
+    assert res0.gain == 1.0 and t0 <= resample.FIRST_HOST_S + resample.SAMPLE_S + 2 * TICK
+
+
 def test_a_sample_faster_than_the_learned_rate_raises_it_by_that_much():
     _free, results = paced(Resampler(), rate_in_sample=2000.0, until=12.0)
     (_t, res), = results
