@@ -486,6 +486,8 @@ class SmController:
         shared = frozenset(k for k in caps if sharing.beside_others(k, active))
         pobs = duty.Observation(now=now, caps=caps, held=held, turns=frozenset(self.turns),
                                 alone_held=alone_held, probe_s=obs.probe_s, shared=shared,
+                                uncapped_beside=frozenset(
+                                    k for k in shared if sharing.uncapped_beside(k, caps, active)),
                                 util=obs.util, spare=sharing.spare_time(caps, active),
                                 active=frozenset(active), use={
             k: duty.Use(consumed=v[0], syncs=v[5], waiting=obs.waiting.get(k, 0), launches=v[1],

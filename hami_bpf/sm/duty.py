@@ -111,9 +111,13 @@ device's utilization holds their work too). One that loses nothing runs that
 much over its cap (errs open, where it costs no one); one that loses what the
 decode loop did lands on it. How much a held decode loop loses changes from
 run to run on the H200 VM (0-23%). So that share is a first guess. A quiet
-group alone on its device (under LAUNCH_BOUND_SHARE inside synchronize calls,
-until LAUNCH_SLACK_SHARE) has its speed measured (sm.progress: now and then it
-runs free, asked for no hold, KeyDecision.sampling), and once known it runs
+group alone on its device, or beside uncapped groups only (under
+LAUNCH_BOUND_SHARE inside synchronize calls, until LAUNCH_SLACK_SHARE; an
+uncapped neighbour takes no turns and runs through its samples and its paced
+seconds alike; beside its uncapped twin a held decode loop lost nothing in
+one run and a fifth of its speed in another) has its speed measured
+(sm.progress: now and then it runs free, asked for no hold,
+KeyDecision.sampling), and once known it runs
 cap / speed of the time (stop_share = 1 - speed, below 0 where it does more
 paced than free). What a sample ran over its share is kept apart
 (_Key.reserve) and added to its debt at REPAY_SHARE more per second it runs:
@@ -575,7 +579,11 @@ class DutyPacer:
                 k.launch_bound = True
             elif window is not None and window[1] >= LAUNCH_SLACK_SHARE or gpu_busy:
                 k.launch_bound = False
-            alone = mode is Mode.DUTY and key not in obs.shared and not by_neighbour
+            # Beside uncapped groups only it is measured as alone: they run
+            # through its samples and its paced seconds alike, and the time a
+            # hold costs it is no one's (sharing.uncapped_beside).
+            alone = mode is Mode.DUTY and not by_neighbour and (
+                key not in obs.shared or key in obs.uncapped_beside)
             drops, phases = k.meter.dropped, k.meter.phases
             sample = k.meter.step(now, u.launches, k.held_s,
                                   alone and k.sampled and k.cap >= SAMPLE_FROM_CAP, held, k.cap)

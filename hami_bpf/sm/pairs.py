@@ -50,6 +50,8 @@ class PairController:
             use={(g, 0): procs[g].use() for g in capped},
             held={g: seen[g] for g in capped if seen[g] is not None},
             shared=shared, util=None if util is None else {0: util},
+            uncapped_beside=frozenset(k for k in shared
+                                      if sharing.uncapped_beside(k, caps, active)),
             spare=sharing.spare_time(caps, active), active=frozenset(active))
         d = self.pacer.step(obs)
         return [_step_of(d, k) for k in keys], d.next_step

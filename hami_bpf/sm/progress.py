@@ -10,7 +10,9 @@ loop did 77-93% of its free work per second of running in one minute and
 launch-bound loop's host: docs/facts.md). A fixed allowance is right in one
 such minute and 10-15 points off in the next.
 
-How: a group alone on its device, paced by time, runs free now and then
+How: a group alone on its device (or beside uncapped groups only, which
+take no turns and run through its samples and its paced seconds alike),
+paced by time, runs free now and then
 for a sample (no holds: what it owes for that time is repaid over the
 following seconds, see duty.DutyPacer), and its launches per second over
 the sample after its first SAMPLE_SKIP_S are its free rate; its launches
@@ -227,7 +229,8 @@ class ProgressMeter:
     def step(self, now: float, launches: int, held_s: float, measured: bool,
              held: bool = False, cap: float = 0.0) -> Sample | None:
         """`launches`: launches counted so far; `held_s`: time held so far;
-        `measured`: alone on its device, paced by time, and launch-bound;
+        `measured`: alone on its device (or beside uncapped groups only),
+        paced by time, and launch-bound;
         `held`: held now (a sample starts once it runs); `cap`: its cap
         (percent), which sets the next sample's length. A Sample when one
         measured the group's speed."""

@@ -22,6 +22,16 @@ def beside_others(key: Key, active_keys: Iterable[Key]) -> bool:
     return any(a[1] == key[1] and a[0] != key[0] for a in active_keys)
 
 
+def uncapped_beside(key: Key, caps: Mapping[Key, float], active_keys: Iterable[Key]) -> bool:
+    """Whether key has neighbours among `active_keys` on its device and none
+    of them is capped (in `caps`). Uncapped groups take no turns and are
+    promised nothing: beside them only, a capped group's speed is measured
+    as where it runs alone (they run through its samples and its paced
+    seconds alike)."""
+    others = [a for a in active_keys if a[1] == key[1] and a[0] != key[0]]
+    return bool(others) and not any(a in caps for a in others)
+
+
 def spare_time(caps: Mapping[Key, float], active_keys: Iterable[Key]) -> dict[int, float]:
     """Per device, the share of its time (percent) no cap claims: 100 less the
     caps of the capped groups among `active_keys`. An uncapped group claims

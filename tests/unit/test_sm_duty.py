@@ -887,6 +887,15 @@ def test_spare_time_is_what_no_active_group_s_cap_claims():
     assert sharing.spare_time({(0, 0): 70.0, (1, 0): 50.0}, [(0, 0), (1, 0)]) == {0: 0.0}
 
 
+def test_uncapped_beside_is_true_only_where_every_neighbour_is_uncapped():
+    caps = {(0, 0): 50.0, (1, 0): 30.0, (0, 1): 40.0}
+    assert sharing.uncapped_beside((0, 0), caps, [(0, 0), (2, 0)])
+    assert sharing.uncapped_beside((0, 1), caps, [(0, 1), (1, 1), (2, 1)])
+    assert not sharing.uncapped_beside((0, 0), caps, [(0, 0), (1, 0), (2, 0)])
+    assert not sharing.uncapped_beside((0, 0), caps, [(0, 0), (2, 1)])    # alone on its device
+    assert not sharing.uncapped_beside((0, 0), caps, [(0, 0), (0, 1)])    # its own, elsewhere
+
+
 def test_a_quiet_loop_between_idle_and_busy_keeps_what_it_was():
     # Busy 42% of its running time: neither; it starts with nothing given back.
     said = []

@@ -138,18 +138,25 @@ def test_beside_a_neighbour_a_loop_slowed_by_its_holds_is_given_back_time_no_cap
     assert both / (hi - lo) < 0.02, (both, _line(sides))
 
 
-def test_beside_an_uncapped_neighbour_a_launch_bound_loop_is_given_back_what_holds_cost_it():
-    """An uncapped group is promised nothing: no cap claims the time beside
-    it, so a capped decode loop that loses speed for a while after each hold
-    is given back the first guess of that loss (duty.HOST_STOP_SHARE) and
-    makes its cap's share of its rate (held for its cap's share of the time
-    alone it makes about 42; its neighbour is another decode loop, so that
-    it stays launch-bound). The neighbour is never held."""
-    runs, sides = _pair("gpt2_decode", "llm_decode", (None, 50), (None, HELD_LOSS))
+@pytest.mark.parametrize("loss", (None, HELD_LOSS, replay.Cold(seconds=1.0, speed=0.75)))
+def test_beside_an_uncapped_neighbour_a_launch_bound_loop_measures_what_holds_cost_it(loss):
+    """An uncapped group is promised nothing and takes no turns: beside it
+    only, a capped decode loop runs free samples as alone, and is given back
+    what its holds are measured to cost it. Whether a hold costs it nothing,
+    15% or 25% of its speed for a second after, it makes its cap's share of
+    its rate; a fixed first guess (duty.HOST_STOP_SHARE, 58.8% of the time at
+    cap 50) would land it 9 over where a hold costs nothing and 6 under at
+    25%. Its neighbour, another decode loop so that it stays launch-bound,
+    is never held."""
+    (_ra, wa, ba), (rb, wb, bb) = _load("gpt2_decode"), _load("llm_decode")
+    pacer = duty.DutyPacer()
+    runs = pairs.replay_pair([wa, wb], [None, 50], horizon=HORIZON_S, colds=[None, loss],
+                             pacer=pacer)
+    sides = pairs.compare_pair(runs, [ba, bb], [(_ra.loop_start, _ra.loop_end),
+                                                 (rb.loop_start, rb.loop_end)])
     assert abs(100 * sides[1].mean - 50) <= TOLERANCE_PTS, _line(sides)
-    lo, hi = sides[1].window
-    ran = sum(b - a for a, b in _running(runs[1], lo, hi)) / (hi - lo)
-    assert abs(100 * ran - 50 / (1 - duty.HOST_STOP_SHARE)) <= 2.0, (ran, _line(sides))
+    assert sides[1].below_longest_s <= FAIL_OPEN_S, _line(sides)
+    assert pacer.samples((1, 0))[0] >= 2
     assert runs[0].holds == []
 
 
