@@ -160,6 +160,21 @@ def test_beside_an_uncapped_neighbour_a_launch_bound_loop_measures_what_holds_co
     assert runs[0].holds == []
 
 
+@pytest.mark.parametrize("name", ("bert_infer", "gpt2_decode", "threaded_infer"))
+@pytest.mark.parametrize("loss", (None, HELD_LOSS))
+def test_beside_an_uncapped_neighbour_a_launch_bound_loop_does_as_alone(name, loss):
+    """Loops the measuring was not set on, capped at 50 beside an uncapped
+    decode loop: each makes what it makes alone at that cap, within 3
+    points, where a hold costs it nothing and where it costs 15%."""
+    (ra, wa, ba), (rb, wb, bb) = _load("llm_decode"), _load(name)
+    runs = pairs.replay_pair([wa, wb], [None, 50], horizon=HORIZON_S, colds=[None, loss])
+    side = pairs.compare_pair(runs, [ba, bb], [(ra.loop_start, ra.loop_end),
+                                               (rb.loop_start, rb.loop_end)])[1]
+    one = pairs.replay_pair([wb], [50], horizon=HORIZON_S, colds=[loss])[0]
+    alone = replay.compare(one, bb, (rb.loop_start, rb.loop_end))
+    assert abs(side.mean - alone.loop_mean) <= 0.03, (100 * side.mean, alone.line())
+
+
 def test_an_uncapped_neighbour_is_never_held_and_the_capped_side_keeps_its_share():
     runs, sides = _pair("llm_prefill", "cnn_train", (None, 50))
     assert runs[0].holds == [] and runs[0].stops == {"sync": 0, "launch": 0}
