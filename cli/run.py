@@ -145,8 +145,9 @@ class UnixGroupType(click.ParamType):
 @click.option("--sm-sample-pct", "sm_sample_pct", type=click.IntRange(0, 25),
               default=DEFAULT_SM_SAMPLE_PCT, show_default=True,
               help="A capped group paced by time, alone on its GPU or beside uncapped groups "
-                   "only, runs free this share of its running time, 1.5 s (up to cap 60) to 2 s at a time, to measure how much it "
-                   "does per second of running while paced against free; it then runs its cap "
+                   "only, runs free this share of its running time, 1.5 s (up to cap 60) to "
+                   "2 s at a time, to measure how much it does per second of running while "
+                   "paced against free; it then runs its cap "
                    "divided by that speed of the time (within 0.87x-1.43x its cap). What a "
                    "free run owes is held over the seconds after it. 0: never measured.")
 @click.option("--sm-learn-alone/--no-sm-learn-alone", default=True, show_default=True,
