@@ -483,10 +483,10 @@ class SmController:
             if name in obs.held:
                 held[g.index] = obs.held[name]
         active = sharing.active(self._last_busy, now)
-        side = sharing.neighbours(caps, active)
+        shared = frozenset(k for k in caps if sharing.beside_others(k, active))
         pobs = duty.Observation(now=now, caps=caps, held=held, turns=frozenset(self.turns),
-                                alone_held=alone_held, probe_s=obs.probe_s, shared=side.shared,
-                                uncapped_beside=side.uncapped, util=obs.util, spare=side.spare,
+                                alone_held=alone_held, probe_s=obs.probe_s, shared=shared,
+                                util=obs.util, spare=sharing.spare_time(caps, active),
                                 active=frozenset(active), use={
             k: duty.Use(consumed=v[0], syncs=v[5], waiting=obs.waiting.get(k, 0), launches=v[1],
                         sync_s=v[3] / 1e9)

@@ -161,7 +161,7 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass, field
 
-from . import handoff, progress
+from . import handoff, progress, sharing
 from .dutyio import Ask, Decision, KeyDecision, Mode, Observation, Use, reading_fields
 
 QUANTUM_S = 0.05       # debt at which a hold is asked for
@@ -581,9 +581,9 @@ class DutyPacer:
                 k.launch_bound = False
             # Beside uncapped groups only it is measured as alone: they run
             # through its samples and its paced seconds alike, and the time a
-            # hold costs it is no one's (sharing.uncapped_beside).
+            # hold costs it is no one's.
             alone = mode is Mode.DUTY and not by_neighbour and (
-                key not in obs.shared or key in obs.uncapped_beside)
+                key not in obs.shared or sharing.uncapped_beside(key, obs.caps, obs.active or ()))
             drops, phases = k.meter.dropped, k.meter.phases
             sample = k.meter.step(now, u.launches, k.held_s,
                                   alone and k.sampled and k.cap >= SAMPLE_FROM_CAP, held, k.cap)

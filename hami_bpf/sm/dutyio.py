@@ -49,8 +49,6 @@ class Observation:
     # keys whose device another group launched on lately: nothing is given
     # back there for being held (it would be the neighbour's time)
     shared: frozenset = frozenset()
-    # keys of `shared` whose neighbours there are all uncapped (sharing.uncapped_beside)
-    uncapped_beside: frozenset = frozenset()
     # device -> utilization (percent) where read this step (wants_util)
     util: Mapping[int, float | None] | None = None
     # device -> the share of its time (percent) no cap claims (sharing.spare_time)

@@ -43,14 +43,14 @@ class PairController:
         capped = [g for g, c in enumerate(self.caps) if c is not None]
         keys = [(g, 0) for g in capped]
         active = sharing.active({(g, 0): t for g, t in self.last_launch.items()}, now)
+        shared = frozenset(k for k in keys if sharing.beside_others(k, active))
         caps = {(g, 0): self.caps[g] for g in capped}
-        side = sharing.neighbours(caps, active)
         obs = duty.Observation(
             now=now, caps=caps,
             use={(g, 0): procs[g].use() for g in capped},
             held={g: seen[g] for g in capped if seen[g] is not None},
-            shared=side.shared, uncapped_beside=side.uncapped,
-            util=None if util is None else {0: util}, spare=side.spare, active=frozenset(active))
+            shared=shared, util=None if util is None else {0: util},
+            spare=sharing.spare_time(caps, active), active=frozenset(active))
         d = self.pacer.step(obs)
         return [_step_of(d, k) for k in keys], d.next_step
 

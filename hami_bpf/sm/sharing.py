@@ -4,7 +4,7 @@ replay (sm.pairs) both ask it, so the two agree on who is a neighbour."""
 from __future__ import annotations
 
 import collections
-from typing import Iterable, Mapping, NamedTuple
+from typing import Iterable, Mapping
 
 from ..throttle import BUSY_S
 
@@ -30,21 +30,6 @@ def uncapped_beside(key: Key, caps: Mapping[Key, float], active_keys: Iterable[K
     seconds alike)."""
     others = [a for a in active_keys if a[1] == key[1] and a[0] != key[0]]
     return bool(others) and not any(a in caps for a in others)
-
-
-class Neighbours(NamedTuple):
-    shared: frozenset           # capped keys beside other groups (beside_others)
-    uncapped: frozenset         # ... of them, those beside uncapped groups only
-    spare: dict[int, float]     # per device, the time no cap claims (spare_time)
-
-
-def neighbours(caps: Mapping[Key, float], active_keys: Iterable[Key]) -> Neighbours:
-    """Who each capped key (of `caps`) shares its device with, among
-    `active_keys`."""
-    active_keys = list(active_keys)
-    shared = frozenset(k for k in caps if beside_others(k, active_keys))
-    return Neighbours(shared, frozenset(k for k in shared if uncapped_beside(k, caps, active_keys)),
-                      spare_time(caps, active_keys))
 
 
 def spare_time(caps: Mapping[Key, float], active_keys: Iterable[Key]) -> dict[int, float]:

@@ -894,9 +894,6 @@ def test_uncapped_beside_is_true_only_where_every_neighbour_is_uncapped():
     assert not sharing.uncapped_beside((0, 0), caps, [(0, 0), (1, 0), (2, 0)])
     assert not sharing.uncapped_beside((0, 0), caps, [(0, 0), (2, 1)])    # alone on its device
     assert not sharing.uncapped_beside((0, 0), caps, [(0, 0), (0, 1)])    # its own, elsewhere
-    side = sharing.neighbours(caps, [(0, 0), (1, 0), (0, 1), (2, 1)])
-    assert side.shared == {(0, 0), (1, 0), (0, 1)} and side.uncapped == {(0, 1)}
-    assert side.spare == {0: 20.0, 1: 60.0}
 
 
 def test_a_quiet_loop_between_idle_and_busy_keeps_what_it_was():

@@ -166,10 +166,8 @@ def test_beside_an_uncapped_neighbour_a_launch_bound_loop_does_as_alone(name, lo
     """Loops the measuring was not set on, capped at 50 beside an uncapped
     decode loop: each makes what it makes alone at that cap, within 3
     points, where a hold costs it nothing and where it costs 15%."""
-    (ra, wa, ba), (rb, wb, bb) = _load("llm_decode"), _load(name)
-    runs = pairs.replay_pair([wa, wb], [None, 50], horizon=HORIZON_S, colds=[None, loss])
-    side = pairs.compare_pair(runs, [ba, bb], [(ra.loop_start, ra.loop_end),
-                                               (rb.loop_start, rb.loop_end)])[1]
+    side = _pair("llm_decode", name, (None, 50), (None, loss))[1][1]
+    rb, wb, bb = _load(name)
     one = pairs.replay_pair([wb], [50], horizon=HORIZON_S, colds=[loss])[0]
     alone = replay.compare(one, bb, (rb.loop_start, rb.loop_end))
     assert abs(side.mean - alone.loop_mean) <= 0.03, (100 * side.mean, alone.line())
