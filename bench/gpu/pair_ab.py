@@ -46,7 +46,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from suite_ab import markdown, reader, stretch, stretch_columns, write_policy   # noqa: E402 - by path
+from suite_ab import markdown, reader, stretch, stretch_columns, tally, tally_line, write_policy   # noqa: E402 - by path
 from suite_run import workload_command           # noqa: E402
 
 STOP_DELAY_S = 0.5    # the daemon's holds let go before a side is stopped for the other's stretch
@@ -225,6 +225,7 @@ def main() -> int:
         wa, wb = pr.split(":")
         rows += run_pair(a, wa, wb)
     markdown(rows, [("pair", "pair", "l"), ("side", "w", "l"), *stretch_columns("alone")])
+    print("\n" + tally_line(tally(rows)))
     return 0
 
 

@@ -14,8 +14,8 @@ phase by phase: each phase's capped rate against the free stretches' rate in
 that phase, weighted by the capped stretch's time in it.
 
 Prints one JSON line per capped stretch and a markdown table at the end:
-  {"w", "cap", "rate", "ref_before", "ref_after", "pct", "within5", "cpu",
-   "cpu_free", "under_floor_s", "series"}
+  {"w", "cap", "rate", "ref_before", "ref_after", "ref_apart", "steady", "pct",
+   "within5", "cpu", "cpu_free", "under_floor_s", "series"}
 where "cpu" (and "cpu_free", for the free stretches either side) says how
 the workload's busiest thread used its CPU per second it ran, and what the
 daemon used (cpu_use): a loop that runs slower when held either waits for a
@@ -26,6 +26,12 @@ holds is slowed by its GPU, not its host. "free_series": the per-second
 rates of the free stretches either side (how soon a loop is itself again).
 "under_floor_s": the longest time in a row the capped stretch ran under
 cap − 10 of its free stretches (the fail-open floor).
+"ref_apart": how far apart the free stretches either side are, in percent
+of their mean; "steady": whether that is within REF_STEADY. A launch-bound
+loop's own speed moves by a quarter or more within seconds on these VMs;
+where its free stretches disagree that much, ±5 of their mean is within
+their own noise, and the table says so rather than leave a verdict that
+the reference cannot carry.
 """
 from __future__ import annotations
 
@@ -44,6 +50,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 sys.path.insert(0, HERE)
 from suite_run import workload_command  # noqa: E402 - a sibling script, by path
 SOCKET = os.environ.get("AB_SOCKET", "/tmp/h.sock")
+REF_STEADY = 15.0   # free stretches either side this close (percent of their mean): a steady reference
 
 
 def held_ms() -> float | None:
@@ -180,21 +187,34 @@ def stretch(lines: list, start: float, end: float, cap: int, before, after,
     rate, series = mean_rate(lines, start + settle, end)
     refs = [r for r in (ref_before, ref_after) if r]
     ref = sum(refs) / len(refs) if refs else None
+    apart = ref_apart(ref_before, ref_after)
     pct = of_free(lines, free, start + settle, end)
     first = mean_rate(lines, start, start + settle)[0]
     under = under_floor_s(lines, free, start + settle, end, cap)
     return {"cap": cap, "rate": rate and round(rate, 3),
             "ref_before": ref_before and round(ref_before, 3),
-            "ref_after": ref_after and round(ref_after, 3), "pct": pct and round(pct, 1),
+            "ref_after": ref_after and round(ref_after, 3),
+            "ref_apart": apart, "steady": apart is not None and apart <= REF_STEADY,
+            "pct": pct and round(pct, 1),
             "within5": pct is not None and abs(pct - cap) <= 5,
             "first_s_pct": first and ref and round(100 * first / ref, 1),
             "under_floor_s": under and round(under, 1), "series": series}
+
+
+def ref_apart(before: float | None, after: float | None) -> float | None:
+    """How far apart two free rates are, in percent of their mean (None
+    where either is missing)."""
+    if not before or not after:
+        return None
+    return round(100 * abs(before - after) / ((before + after) / 2), 1)
 
 
 def stretch_columns(ref: str) -> list:
     """markdown() columns of stretch()'s fields and "held"; `ref` names the reference."""
     return [("cap", "cap", "r"), ("capped rate", "rate", "r"),
             (f"own {ref} before / after", lambda r: f"{r['ref_before']} / {r['ref_after']}", "r"),
+            (f"{ref} before / after apart (%)", lambda r: r["ref_apart"] if r["steady"]
+             else f"{r['ref_apart']} (moved)", "r"),
             (f"% of {ref}", "pct", "r"),
             ("within ±5", lambda r: "yes" if r["within5"] else "no", "l"),
             ("first 3 s", "first_s_pct", "r"),
@@ -209,6 +229,19 @@ def markdown(rows: list, columns: list) -> None:
     for r in rows:
         cells = [k(r) if callable(k) else r[k] for _h, k, _a in columns]
         print("| " + " | ".join(str(c) for c in cells) + " |")
+
+
+def tally(rows: list) -> dict:
+    """Stretches within ±5 of their cap, of all and of those whose
+    reference was steady."""
+    steady = [r for r in rows if r["steady"]]
+    return {"stretches": len(rows), "within5": sum(r["within5"] for r in rows),
+            "steady": len(steady), "steady_within5": sum(r["within5"] for r in steady)}
+
+
+def tally_line(t: dict) -> str:
+    return (f"within ±5: {t['within5']} of {t['stretches']} stretches; with a steady "
+            f"reference (free stretches within {REF_STEADY:g}%): {t['steady_within5']} of {t['steady']}")
 
 
 def reader(p: subprocess.Popen, q: queue.Queue) -> None:
@@ -421,6 +454,7 @@ def main() -> int:
         done_edges.clear()
         rows += run_one(a, w)
     markdown(rows, [("workload", "w", "l"), *stretch_columns("uncapped")])
+    print("\n" + tally_line(tally(rows)))
     return 0
 
 

@@ -56,3 +56,21 @@ def test_a_phase_change_remainder_neither_counts_nor_breaks_a_run():
 
 def test_no_free_rate_measures_nothing():
     assert suite_ab.under_floor_s(lines_of([20, 20], t0=5.0), [(0.0, 5.0)], 5.0, 7.0, 50) is None
+
+
+def test_a_stretch_says_how_far_apart_its_free_stretches_are():
+    capped = lines_of([50] * 10, t0=5.0)
+    steady = lines_of([100] * 5) + capped + lines_of([110] * 5, t0=15.0)
+    r = suite_ab.stretch(steady, 5.0, 15.0, 50, (1.0, 5.0), (16.0, 20.0), 3.0)
+    assert r["ref_apart"] == 9.5 and r["steady"] and r["within5"]
+    moved = lines_of([100] * 5) + capped + lines_of([60] * 5, t0=15.0)
+    r = suite_ab.stretch(moved, 5.0, 15.0, 50, (1.0, 5.0), (16.0, 20.0), 3.0)
+    assert r["ref_apart"] == 50.0 and not r["steady"]
+    one = suite_ab.stretch(steady, 5.0, 15.0, 50, (1.0, 5.0), None, 3.0)
+    assert one["ref_apart"] is None and not one["steady"]
+
+
+def test_the_tally_counts_steady_references_apart():
+    rows = [{"within5": True, "steady": True}, {"within5": False, "steady": False},
+            {"within5": False, "steady": True}, {"within5": True, "steady": False}]
+    assert suite_ab.tally(rows) == {"stretches": 4, "within5": 2, "steady": 2, "steady_within5": 1}
