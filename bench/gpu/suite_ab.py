@@ -179,7 +179,8 @@ def stretch(lines: list, start: float, end: float, cap: int, before, after,
             settle: float) -> dict:
     """A capped stretch [start, end] (its first `settle` s left out) against
     the free stretches `before` and `after` ((start, end) of their counted
-    part, or None): its rate, the free rates, its percentage of them
+    part, or None): its rate, the free rates and how far apart they are
+    (ref_apart, steady), its percentage of them
     (of_free), whether within 5 points of `cap`, its first seconds' rate
     against them, and its per-second series."""
     free = [sp for sp in (before, after) if sp]

@@ -1,6 +1,7 @@
-"""The GPU bench's fail-open floor measure (bench/gpu/suite_ab.py
-under_floor_s), on workload lines built here: the longest time in a row a
-capped stretch ran under cap - 10 of its free stretches."""
+"""The GPU bench's judgement of a capped stretch (bench/gpu/suite_ab.py), on
+workload lines built here: its fail-open floor measure (under_floor_s, the
+longest time in a row it ran under cap - 10 of its free stretches), and how
+far apart its free stretches were (ref_apart, steady)."""
 from __future__ import annotations
 
 import sys
