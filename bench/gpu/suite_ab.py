@@ -214,8 +214,8 @@ def stretch_columns(ref: str) -> list:
     """markdown() columns of stretch()'s fields and "held"; `ref` names the reference."""
     return [("cap", "cap", "r"), ("capped rate", "rate", "r"),
             (f"own {ref} before / after", lambda r: f"{r['ref_before']} / {r['ref_after']}", "r"),
-            (f"{ref} before / after apart (%)", lambda r: r["ref_apart"] if r["steady"]
-             else f"{r['ref_apart']} (moved)", "r"),
+            (f"{ref} before / after apart (%)", lambda r: f"{r['ref_apart']} (moved)"
+             if r["ref_apart"] is not None and not r["steady"] else r["ref_apart"], "r"),
             (f"% of {ref}", "pct", "r"),
             ("within ±5", lambda r: "yes" if r["within5"] else "no", "l"),
             ("first 3 s", "first_s_pct", "r"),

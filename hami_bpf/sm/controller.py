@@ -483,7 +483,7 @@ class SmController:
             if name in obs.held:
                 held[g.index] = obs.held[name]
         active = sharing.active(self._last_busy, now)
-        shared = frozenset(k for k in caps if sharing.beside_others(k, active))
+        shared = sharing.shared(caps, active)
         pobs = duty.Observation(now=now, caps=caps, held=held, turns=frozenset(self.turns),
                                 alone_held=alone_held, probe_s=obs.probe_s, shared=shared,
                                 util=obs.util, spare=sharing.spare_time(caps, active),

@@ -43,7 +43,7 @@ class PairController:
         capped = [g for g, c in enumerate(self.caps) if c is not None]
         keys = [(g, 0) for g in capped]
         active = sharing.active({(g, 0): t for g, t in self.last_launch.items()}, now)
-        shared = frozenset(k for k in keys if sharing.beside_others(k, active))
+        shared = sharing.shared(keys, active)
         caps = {(g, 0): self.caps[g] for g in capped}
         obs = duty.Observation(
             now=now, caps=caps,

@@ -17,9 +17,20 @@ def active(last_launch: Mapping[Key, float], now: float) -> list[Key]:
     return [k for k, t in last_launch.items() if now - t <= BUSY_S]
 
 
+def _others(key: Key, active_keys: Iterable[Key]) -> list[Key]:
+    """The other groups' keys among `active_keys` on key's device."""
+    return [a for a in active_keys if a[1] == key[1] and a[0] != key[0]]
+
+
 def beside_others(key: Key, active_keys: Iterable[Key]) -> bool:
     """Whether another group is among `active_keys` on key's device."""
-    return any(a[1] == key[1] and a[0] != key[0] for a in active_keys)
+    return bool(_others(key, active_keys))
+
+
+def shared(keys: Iterable[Key], active_keys: Iterable[Key]) -> frozenset:
+    """Those of `keys` beside another group among `active_keys`."""
+    active_keys = list(active_keys)
+    return frozenset(k for k in keys if beside_others(k, active_keys))
 
 
 def uncapped_beside(key: Key, caps: Mapping[Key, float], active_keys: Iterable[Key]) -> bool:
@@ -28,7 +39,7 @@ def uncapped_beside(key: Key, caps: Mapping[Key, float], active_keys: Iterable[K
     promised nothing: beside them only, a capped group's speed is measured
     as where it runs alone (they run through its samples and its paced
     seconds alike)."""
-    others = [a for a in active_keys if a[1] == key[1] and a[0] != key[0]]
+    others = _others(key, active_keys)
     return bool(others) and not any(a in caps for a in others)
 
 

@@ -75,3 +75,10 @@ def test_the_tally_counts_steady_references_apart():
     rows = [{"within5": True, "steady": True}, {"within5": False, "steady": False},
             {"within5": False, "steady": True}, {"within5": True, "steady": False}]
     assert suite_ab.tally(rows) == {"stretches": 4, "within5": 2, "steady": 2, "steady_within5": 1}
+
+
+def test_the_table_marks_a_reference_that_moved_and_only_that():
+    col = next(k for h, k, _a in suite_ab.stretch_columns("uncapped") if "apart" in h)
+    assert col({"ref_apart": 50.0, "steady": False}) == "50.0 (moved)"
+    assert col({"ref_apart": 9.5, "steady": True}) == 9.5
+    assert col({"ref_apart": None, "steady": False}) is None

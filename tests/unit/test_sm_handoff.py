@@ -121,7 +121,7 @@ def pair(caps, waited, busy, seconds=30.0, dt=0.002, launched_lately=False,
             t, capmap, {k: Use(n[i], n[i], launches=n[i], sync_s=sync_s[i])
                         for i, k in enumerate(keys)},
             {i: since[i] for i in range(2) if since[i] is not None}, util=util,
-            shared=frozenset(k for k in keys if sharing.beside_others(k, active)),
+            shared=sharing.shared(keys, active),
             active=active, spare=sharing.spare_time(capmap, active)))
         changes.extend(d.overlaps)
         cut += len(d.cut_short) if t > settled else 0
