@@ -896,7 +896,6 @@ def test_uncapped_beside_is_true_only_where_every_neighbour_is_uncapped():
     assert not sharing.uncapped_beside((0, 0), caps, [(0, 0), (0, 1)])    # its own, elsewhere
 
 
-
 def test_shared_keys_are_those_beside_another_group_on_their_device():
     caps = {(0, 0): 50.0, (1, 0): 30.0, (0, 1): 40.0}
     assert sharing.shared(caps, [(0, 0), (1, 0), (0, 1), (2, 1)]) == {(0, 0), (1, 0), (0, 1)}
