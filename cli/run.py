@@ -7,7 +7,7 @@ import sys
 import click
 
 from hami_bpf.config import (DEFAULT_FALLBACK_DEVICES, DEFAULT_FALLBACK_TOTAL_MEM, DEFAULT_LIB_GRACE_S,
-                             DEFAULT_PIN_DIR, DEFAULT_SM_GIVEBACK_PCT, DEFAULT_SM_SAMPLE_PCT, DEFAULT_SM_HOLD_MS, DEFAULT_SM_HOST_RUN_MS, DEFAULT_SM_TURN_MS, DEFAULT_SOCKET, DEFAULT_STATE_DIR, OOM_ACTIONS,
+                             DEFAULT_PIN_DIR, DEFAULT_SM_GIVEBACK_PCT, DEFAULT_SM_SAMPLE_PCT, DEFAULT_SM_HOLD_MS, DEFAULT_SM_HOST_RUN_MS, DEFAULT_SM_TURN_RUN_MS, DEFAULT_SM_TURN_MS, DEFAULT_SOCKET, DEFAULT_STATE_DIR, OOM_ACTIONS,
                              DaemonConfig, parse_group_by, parse_host_port)
 
 from .common import CliError
@@ -133,6 +133,11 @@ class UnixGroupType(click.ParamType):
                    "hold as long as its cap asks (at most 400 ms): such a loop runs slower for "
                    "a while after every stop, so fewer stops let it keep its share. 0: held "
                    "as any other group.")
+@click.option("--sm-turn-run-ms", "sm_turn_run_ms", type=click.IntRange(0, 1000),
+              default=DEFAULT_SM_TURN_RUN_MS, show_default=True,
+              help="Such a group runs at least this long between holds while it takes turns "
+                   "with a capped neighbour on its GPU (never less than --sm-host-run-ms): "
+                   "each turn also hands the GPU over, so longer runs mean fewer handovers.")
 @click.option("--sm-giveback-pct", "sm_giveback_pct", type=click.IntRange(0, 50),
               default=DEFAULT_SM_GIVEBACK_PCT, show_default=True,
               help="A capped group whose GPU has finished its work by the time it synchronizes "
@@ -181,7 +186,8 @@ class UnixGroupType(click.ParamType):
 def run(libcuda, group_by, socket_path, count_launches, policy, env_limits, oom_action,
         metrics_addr, socket_group, demo, state_dir, pin_dir, keep_state, fresh, context_bytes,
         unseen_memory,
-        sm_limits, sm_lend_idle, sm_turns, sm_turn_ms, sm_hold_ms, sm_host_run_ms, sm_giveback_pct, sm_sample_pct, sm_learn_alone, open_gate,
+        sm_limits, sm_lend_idle, sm_turns, sm_turn_ms, sm_hold_ms, sm_host_run_ms, sm_turn_run_ms, sm_giveback_pct, sm_sample_pct,
+        sm_learn_alone, open_gate,
         hami_regions, fallback_devices, fallback_total_mem, sim_gpu, sim_proc_mem, lib_grace_s,
         verbose):
     """Start the daemon: attach probes, keep the slot table, serve the socket."""
@@ -195,7 +201,8 @@ def run(libcuda, group_by, socket_path, count_launches, policy, env_limits, oom_
                        unseen_memory=unseen_memory,
                        sm_lend_idle=sm_lend_idle, sm_turns=sm_turns,
                        sm_turn_ms=sm_turn_ms, sm_hold_ms=sm_hold_ms,
-                       sm_host_run_ms=sm_host_run_ms, sm_giveback_pct=sm_giveback_pct,
+                       sm_host_run_ms=sm_host_run_ms, sm_turn_run_ms=sm_turn_run_ms,
+                       sm_giveback_pct=sm_giveback_pct,
                        sm_sample_pct=sm_sample_pct,
                        sm_learn_alone=sm_learn_alone, open_gate=open_gate,
                        hami_regions=hami_regions, pin_dir=pin_dir if keep_state else None,

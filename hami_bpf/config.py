@@ -10,7 +10,7 @@ import re
 import stat
 from dataclasses import dataclass
 
-from .sm.duty import HOST_RUN_S, HOST_STOP_SHARE, QUANTUM_S
+from .sm.duty import HOST_RUN_S, HOST_STOP_SHARE, QUANTUM_S, TURN_RUN_S
 from .sm.progress import SAMPLE_SHARE
 from .throttle import TURN_PERIOD_S
 
@@ -20,6 +20,7 @@ DEFAULT_PIN_DIR = "/sys/fs/bpf/hami-bpf"
 DEFAULT_SM_TURN_MS = round(TURN_PERIOD_S * 1000)
 DEFAULT_SM_HOLD_MS = round(QUANTUM_S * 1000)
 DEFAULT_SM_HOST_RUN_MS = round(HOST_RUN_S * 1000)
+DEFAULT_SM_TURN_RUN_MS = round(TURN_RUN_S * 1000)
 DEFAULT_SM_GIVEBACK_PCT = round(HOST_STOP_SHARE * 100)
 DEFAULT_SM_SAMPLE_PCT = round(SAMPLE_SHARE * 100)
 
@@ -116,6 +117,7 @@ class DaemonConfig:
     sm_turn_ms: int = DEFAULT_SM_TURN_MS  # the turns' period
     sm_hold_ms: int = DEFAULT_SM_HOLD_MS  # running time a synchronizing group owes before it is held
     sm_host_run_ms: int = DEFAULT_SM_HOST_RUN_MS  # a host-paced group runs this long between holds; 0: off
+    sm_turn_run_ms: int = DEFAULT_SM_TURN_RUN_MS  # ... while it takes turns with a capped neighbour
     sm_giveback_pct: int = DEFAULT_SM_GIVEBACK_PCT  # a launch-bound group alone runs this % more; 0: off
     sm_sample_pct: int = DEFAULT_SM_SAMPLE_PCT  # running time spent free measuring speed; 0: off
     sm_learn_alone: bool = True          # a group learns its rate with its device's capped groups held
@@ -139,6 +141,8 @@ class DaemonConfig:
             raise ValueError(f"sm_hold_ms {self.sm_hold_ms} is not between 10 and 500")
         if not 0 <= self.sm_host_run_ms <= 1000:
             raise ValueError(f"sm_host_run_ms {self.sm_host_run_ms} is not between 0 and 1000")
+        if not 0 <= self.sm_turn_run_ms <= 1000:
+            raise ValueError(f"sm_turn_run_ms {self.sm_turn_run_ms} is not between 0 and 1000")
         if not 0 <= self.sm_giveback_pct <= 50:
             raise ValueError(f"sm_giveback_pct {self.sm_giveback_pct} is not between 0 and 50")
         if not 0 <= self.sm_sample_pct <= 25:

@@ -140,6 +140,7 @@ class Settings:
     turn_s: float = TURN_PERIOD_S   # the turns' period
     hold_s: float = duty.QUANTUM_S  # duty pacing's quantum
     host_run_s: float = duty.HOST_RUN_S
+    turn_run_s: float = duty.TURN_RUN_S     # ... while it takes turns with a capped neighbour
     host_stop_share: float = duty.HOST_STOP_SHARE   # given back to a launch-bound group alone
     sample_share: float = progress.SAMPLE_SHARE     # running time spent free, measuring speed
     turns: bool = True              # capped groups on one device take turns
@@ -150,6 +151,7 @@ class Settings:
     def from_config(cls, cfg) -> "Settings":
         return cls(turn_s=cfg.sm_turn_ms / 1000, hold_s=cfg.sm_hold_ms / 1000,
                    host_run_s=cfg.sm_host_run_ms / 1000,
+                   turn_run_s=cfg.sm_turn_run_ms / 1000,
                    host_stop_share=cfg.sm_giveback_pct / 100,
                    sample_share=cfg.sm_sample_pct / 100, turns=cfg.sm_turns,
                    lend_idle=cfg.sm_lend_idle, learn_alone=cfg.sm_learn_alone)
@@ -189,7 +191,8 @@ class SmController:
                                    max_hold_s=max(duty.MAX_HOLD_S, 2 * settings.hold_s),
                                    host_run_s=settings.host_run_s,
                                    host_stop_share=settings.host_stop_share,
-                                   sample_share=settings.sample_share)
+                                   sample_share=settings.sample_share,
+                                   turn_run_s=settings.turn_run_s)
         self.guard = guard.Guard()
         self.resample = resample.Resampler()        # budgets' full rates, in free samples
         self.next_step: float | None = None         # duty pacing's next step

@@ -68,9 +68,13 @@ and its bound to twice that). Such a loop runs slower for a while after each
 stop, and no queue of GPU work hides it: stopped and continued from outside at
 a 0.1 s period and 50% duty a decode loop ran at ~82% of its free speed per
 second of running, at a 0.4 s period at ~100%, whether or not its CPU was kept
-busy while it was stopped (bench/gpu/stopcont.py). A group that waits for the
-GPU loses nothing to a stop and keeps the short quantum, which keeps
-neighbours' turns fine-grained. The test is the waited share: under
+busy while it was stopped (bench/gpu/stopcont.py). While it takes turns
+with a capped neighbour (not beside launch-bound ones, which run with it)
+it runs at least turn_run_s between holds (TURN_RUN_S unless set): every
+turn also hands the GPU over, so a longer run there costs fewer handovers;
+the bound of its hold then covers that run plus its stop.
+A group that waits for the GPU loses nothing to a stop and keeps the short
+quantum, which keeps neighbours' turns fine-grained. The test is the waited share: under
 WAITED_SHARE of its running time inside synchronize calls over the synchronize
 rate's window it is host-paced, from GPU_PACED_SHARE up it is not, and in
 between (or with too little seen) it keeps what it was.
@@ -183,6 +187,7 @@ MAX_PROBE_SHARE = 0.2  # the launch probe's part of a group's running time taken
 WAITED_SHARE = 0.5     # running time inside synchronize calls from which the GPU sets the pace
 HOST_RUN_S = 0.2       # running between holds, at least, for a group its launching thread paces
 HOST_QUANTUM_MAX_S = 0.4   # ... whose hold (asked at this debt) grows at most to this
+TURN_RUN_S = HOST_RUN_S  # ... and while it takes turns with a capped neighbour
 GPU_PACED_SHARE = 0.6  # running time inside synchronize calls from which it is not host-paced again
 LAUNCH_BOUND_SHARE = 0.05  # running time inside synchronize calls under which the GPU idles as it runs
 LAUNCH_SLACK_SHARE = 0.1   # ... and from which its launching thread has slack again
@@ -232,7 +237,8 @@ class _Key:
     hold_seen: float | None = None
     probe_share: float = 0.0
     host_paced: bool = False
-    said_host: bool = False     # host_paced as last reported (in DUTY mode)
+    takes_turns: bool = False   # beside a capped neighbour, not running beside it (overlap)
+    said_host: tuple = (False, False)   # (host_paced, taking turns) as last reported (DUTY mode)
     stop_share: float = 0.0     # HOST_STOP_SHARE while launch-bound in DUTY mode, else 0
     launch_bound: bool = False  # under LAUNCH_BOUND_SHARE inside synchronize calls (last window)
     quiet: bool = False         # ... in the last window, whatever the device said
@@ -362,10 +368,14 @@ class DutyPacer:
 
     def __init__(self, quantum_s: float = QUANTUM_S, max_hold_s: float = MAX_HOLD_S,
                  host_run_s: float = HOST_RUN_S, host_stop_share: float = HOST_STOP_SHARE,
-                 sample_share: float = progress.SAMPLE_SHARE) -> None:
+                 sample_share: float = progress.SAMPLE_SHARE,
+                 turn_run_s: float | None = None) -> None:
         self.quantum_s = quantum_s
         self.sample_share = sample_share    # 0: speed never measured (host_stop_share alone)
         self.host_run_s = host_run_s    # 0: a host-paced group is held as any other
+        # ... and while it takes turns (None: TURN_RUN_S, but never under host_run_s)
+        self.turn_run_s = max(host_run_s, TURN_RUN_S if turn_run_s is None else turn_run_s) \
+            if host_run_s > 0 else 0.0
         self.host_stop_share = host_stop_share  # 0: nothing given back for being held
         self.max_hold_s = max(max_hold_s, quantum_s)
         self._keys: dict[tuple[int, int], _Key] = {}
@@ -435,11 +445,17 @@ class DutyPacer:
         """The debt at which a group is asked to stop: how long it is held."""
         if not (k.host_paced and k.mode is Mode.DUTY):
             return self.quantum_s
-        return min(max(self.quantum_s, self.host_run_s * k.owes_per_s()),
+        run_s = self.turn_run_s if k.takes_turns else self.host_run_s
+        return min(max(self.quantum_s, run_s * k.owes_per_s()),
                    max(HOST_QUANTUM_MAX_S, self.quantum_s))
 
     def _bound(self, k: _Key) -> float:
-        return max(self.max_hold_s, 2 * self._quantum(k))
+        bound = max(self.max_hold_s, 2 * self._quantum(k))
+        if k.takes_turns and k.host_paced and k.mode is Mode.DUTY \
+                and self.turn_run_s > self.host_run_s:
+            # its turn comes after a neighbour's run between holds, and its stop
+            bound = max(bound, self.turn_run_s + 2 * FORCE_AFTER_S)
+        return bound
 
     def _bound_of(self, keys) -> float:
         """The hold bound of a group whose DUTY keys these are."""
@@ -605,6 +621,9 @@ class DutyPacer:
             if overlap != k.overlap:
                 k.overlap = overlap
                 overlaps.append((key, overlap))
+            # every change of turn costs a host-paced loop a restart: fewer, longer turns
+            k.takes_turns = key in obs.shared and not overlap and not sharing.uncapped_beside(
+                key, obs.caps, obs.active or ())
             stop_share = (self.host_stop_share if k.launch_bound and alone or overlap else 0.0)
             if (alone or overlap) and k.sampled and k.meter.speed is not None:
                 # measured: what it does per second of running, against free
@@ -644,8 +663,8 @@ class DutyPacer:
             ask = Ask.NONE
             quantum = self._quantum(k)
             said = k.host_paced and k.mode is Mode.DUTY and self.host_run_s > 0
-            if said != k.said_host:
-                k.said_host = said
+            if (said, said and k.takes_turns) != k.said_host:
+                k.said_host = (said, said and k.takes_turns)
                 slices.append((key, said, quantum))
             if k.mode is Mode.DUTY and not held and k.debt >= quantum and not k.meter.sampling:
                 if k.asked_since is None:
