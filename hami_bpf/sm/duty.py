@@ -72,7 +72,8 @@ busy while it was stopped (bench/gpu/stopcont.py). While it takes turns
 with a capped neighbour (not beside launch-bound ones, which run with it)
 it runs at least turn_run_s between holds (TURN_RUN_S unless set): every
 turn also hands the GPU over, so a longer run there costs fewer handovers;
-the bound of its hold then covers that run plus its stop.
+the hold bound of every group taking turns on that device then covers that
+run plus a stop.
 A group that waits for the GPU loses nothing to a stop and keeps the short
 quantum, which keeps neighbours' turns fine-grained. The test is the waited share: under
 WAITED_SHARE of its running time inside synchronize calls over the synchronize
@@ -238,6 +239,7 @@ class _Key:
     probe_share: float = 0.0
     host_paced: bool = False
     takes_turns: bool = False   # beside a capped neighbour, not running beside it (overlap)
+    long_turns: bool = False    # ... one of them host-paced, running turn_run_s between holds
     said_host: tuple = (False, False)   # (host_paced, taking turns) as last reported (DUTY mode)
     stop_share: float = 0.0     # HOST_STOP_SHARE while launch-bound in DUTY mode, else 0
     launch_bound: bool = False  # under LAUNCH_BOUND_SHARE inside synchronize calls (last window)
@@ -451,9 +453,8 @@ class DutyPacer:
 
     def _bound(self, k: _Key) -> float:
         bound = max(self.max_hold_s, 2 * self._quantum(k))
-        if k.takes_turns and k.host_paced and k.mode is Mode.DUTY \
-                and self.turn_run_s > self.host_run_s:
-            # its turn comes after a neighbour's run between holds, and its stop
+        if k.long_turns:
+            # its turn comes after a host-paced neighbour's run, and its stop
             bound = max(bound, self.turn_run_s + 2 * FORCE_AFTER_S)
         return bound
 
@@ -503,6 +504,11 @@ class DutyPacer:
         # device, a group that synchronizes rarely is paced here too.
         pacers = [(key, k.last_active) for key, k in self._keys.items() if k.own is Mode.DUTY]
 
+        # devices where a host-paced group takes turns (as of the last step):
+        # every group taking turns there may wait for its longer run
+        long_turns = {key[1] for key, k in self._keys.items()
+                      if k.takes_turns and k.host_paced and k.mode is Mode.DUTY} \
+            if self.turn_run_s > self.host_run_s else set()
         sharers = collections.Counter(key[1] for key, k in self._keys.items()
                                       if key in obs.shared and k.launch_bound and k.stop_share)
 
@@ -624,6 +630,7 @@ class DutyPacer:
             # every change of turn costs a host-paced loop a restart: fewer, longer turns
             k.takes_turns = key in obs.shared and not overlap and not sharing.uncapped_beside(
                 key, obs.caps, obs.active or ())
+            k.long_turns = k.takes_turns and key[1] in long_turns
             stop_share = (self.host_stop_share if k.launch_bound and alone or overlap else 0.0)
             if (alone or overlap) and k.sampled and k.meter.speed is not None:
                 # measured: what it does per second of running, against free

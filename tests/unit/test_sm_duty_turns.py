@@ -21,15 +21,16 @@ DT = 0.002
 
 
 def simulate(caps: dict[tuple[int, int], float], seconds: float, idle: set[int] = frozenset(),
-             waited: float | dict = 0.9, step_s: dict | None = None):
+             waited: float | dict = 0.9, step_s: dict | None = None, pacer=None,
+             releases: list | None = None):
     """Groups that are always active, spending `waited` of their running
     time inside synchronize calls (0: their launching thread sets their
     pace; a dict: per key). Without `step_s` each stops at once when asked;
     with it, a key synchronizes every step_s[key] seconds of running and
     stops only at such a return (or, asked to stop at a launch, at once).
     Returns (running share per group, seconds two groups of one device ran
-    at once, longest hold)."""
-    p = DutyPacer()
+    at once, longest hold); each release's (group, hold) goes to `releases`."""
+    p = pacer or DutyPacer()
     sync_s = {k: 0.0 for k in caps}
     t = 0.0
     c = {k: 0 for k in caps}
@@ -65,6 +66,8 @@ def simulate(caps: dict[tuple[int, int], float], seconds: float, idle: set[int] 
         d = p.step(Observation(t, caps, {k: Use(c[k], syncs[k], launches=c[k], sync_s=sync_s[k])
                                          for k in caps}, dict(held), shared=shared))
         for g in d.release:
+            if releases is not None:
+                releases.append((g, t - held[g]))
             longest = max(longest, t - held.pop(g))
         for k, kd in d.keys.items():
             asked[k] = kd.ask
@@ -87,6 +90,31 @@ def test_two_host_paced_groups_30_70_take_longer_turns_at_their_caps():
     assert overlap <= duty.SYNC_WINDOW_S + 0.2, overlap
     # the group at 30 owes 7/3 s per second run: held for HOST_RUN_S x 7/3 at a time
     assert duty.MAX_HOLD_S < longest <= 2 * duty.HOST_QUANTUM_MAX_S + 2 * DT, longest
+
+
+@pytest.mark.parametrize("turn_run_s", [0.4, 0.6])
+def test_host_paced_groups_taking_turns_run_turn_run_s_between_holds(turn_run_s):
+    # every turn hands the GPU over: with longer runs between holds the
+    # host-paced group at 70 (beside one that waits for the GPU) is held
+    # less often, each hold within its raised bound, and both keep their
+    # caps and still take turns
+    caps = {(1, 0): 30, (2, 0): 70}
+    waited = {(1, 0): 0.9, (2, 0): 0.2}
+    counts = {}
+    for run_s in (duty.HOST_RUN_S, turn_run_s):
+        rel: list = []
+        p = DutyPacer(turn_run_s=run_s)
+        share, overlap, longest = simulate(caps, 20, waited=waited, pacer=p, releases=rel)
+        assert abs(share[(1, 0)] - 30) <= 3 and abs(share[(2, 0)] - 70) <= 3, (run_s, share)
+        assert overlap <= duty.SYNC_WINDOW_S + 0.2, (run_s, overlap)
+        assert longest <= max(2 * duty.HOST_QUANTUM_MAX_S, run_s + 2 * duty.FORCE_AFTER_S) + 2 * DT
+        counts[run_s] = sum(1 for g, _h in rel if g == 2)
+    assert counts[turn_run_s] < 0.8 * counts[duty.HOST_RUN_S], counts
+
+
+def test_turn_run_s_is_never_under_host_run_s():
+    assert DutyPacer(turn_run_s=0.1).turn_run_s == duty.HOST_RUN_S
+    assert DutyPacer(host_run_s=0.0, turn_run_s=0.6).turn_run_s == 0.0
 
 
 def test_two_launch_bound_groups_30_70_on_one_device_are_given_nothing_back():
