@@ -7,9 +7,8 @@ learns alone on each device, who lends idle time, and what it saw of each
 (group index, device) so far. The shell (hami_bpf.smcontrol) reads the probes'
 maps and the devices, calls `wants` to learn which readings a tick needs
 (NVML is read only where a decision needs it), builds an `Observation`, calls
-`step` and carries out the `Decision`: it writes the grants, resumes the
-groups released, records the events and counts the counters. No I/O here, no
-clock: time is what the observation says.
+`step` and carries out the `Decision`: it writes the grants, resumes the groups
+released, records the events, counts the counters. No I/O, no clock here.
 
 One tick, in order (each a method below):
   observe use   -> launch rates, when each key was last / first busy
@@ -150,8 +149,7 @@ class Settings:
     @classmethod
     def from_config(cls, cfg) -> "Settings":
         return cls(turn_s=cfg.sm_turn_ms / 1000, hold_s=cfg.sm_hold_ms / 1000,
-                   host_run_s=cfg.sm_host_run_ms / 1000,
-                   turn_run_s=cfg.sm_turn_run_ms / 1000,
+                   host_run_s=cfg.sm_host_run_ms / 1000, turn_run_s=cfg.sm_turn_run_ms / 1000,
                    host_stop_share=cfg.sm_giveback_pct / 100,
                    sample_share=cfg.sm_sample_pct / 100, turns=cfg.sm_turns,
                    lend_idle=cfg.sm_lend_idle, learn_alone=cfg.sm_learn_alone)
@@ -189,10 +187,9 @@ class SmController:
         # Groups that synchronize often are paced by time, the rest by budget.
         self.duty = duty.DutyPacer(quantum_s=settings.hold_s,
                                    max_hold_s=max(duty.MAX_HOLD_S, 2 * settings.hold_s),
-                                   host_run_s=settings.host_run_s,
+                                   host_run_s=settings.host_run_s, turn_run_s=settings.turn_run_s,
                                    host_stop_share=settings.host_stop_share,
-                                   sample_share=settings.sample_share,
-                                   turn_run_s=settings.turn_run_s)
+                                   sample_share=settings.sample_share)
         self.guard = guard.Guard()
         self.resample = resample.Resampler()        # budgets' full rates, in free samples
         self.next_step: float | None = None         # duty pacing's next step

@@ -33,9 +33,9 @@ QUANTUM_S the group is asked to stop at its next synchronize's return (BPF,
 held group is released once its debts are paid and it is its turn
 (sm.handoff: launch-bound groups run beside each other, others take turns),
 and after its hold bound (MAX_HOLD_S; longer for a host-paced group, below)
-whatever they say. A hold it asked for
-stays its to end when the group leaves DUTY mode or loses its cap while held
-(it is released then: its debts are forgiven).
+whatever they say. A hold it asked for stays its to end when the group leaves
+DUTY mode or loses its cap while held (it is released then: its debts are
+forgiven).
 
 The synchronize rate that decides the mode is counted per second of running,
 time held left out: a group held three quarters of the time at cap 25
@@ -68,14 +68,11 @@ and its bound to twice that). Such a loop runs slower for a while after each
 stop, and no queue of GPU work hides it: stopped and continued from outside at
 a 0.1 s period and 50% duty a decode loop ran at ~82% of its free speed per
 second of running, at a 0.4 s period at ~100%, whether or not its CPU was kept
-busy while it was stopped (bench/gpu/stopcont.py). While it takes turns
-with a capped neighbour (not beside launch-bound ones, which run with it)
-it runs at least turn_run_s between holds (TURN_RUN_S unless set): every
-turn also hands the GPU over, so a longer run there costs fewer handovers;
-the hold bound of every group taking turns on that device then covers that
-run plus a stop.
-A group that waits for the GPU loses nothing to a stop and keeps the short
-quantum, which keeps neighbours' turns fine-grained. The test is the waited share: under
+busy while it was stopped (bench/gpu/stopcont.py). Taking turns with a capped
+neighbour it runs turn_run_s (every turn also hands the GPU over), and the hold
+bound of each group taking turns there covers that run and a stop. A group that
+waits for the GPU loses nothing to a stop and keeps the short quantum, which
+keeps neighbours' turns fine-grained. The test is the waited share: under
 WAITED_SHARE of its running time inside synchronize calls over the synchronize
 rate's window it is host-paced, from GPU_PACED_SHARE up it is not, and in
 between (or with too little seen) it keeps what it was.
@@ -110,9 +107,8 @@ wait for their work; the reading holds theirs), so it stays light until it
 waits OVERLAP_WAITED_SHARE of its running time, more than a hold would cost
 it, or its device reads OVERLAP_BUSY (two of them read 47-52 together on an
 H100; a phase of one that fills it reads more), and then takes turns for
-OVERLAP_RETRY_S. Otherwise, beside
-others, its synchronize calls alone say whether it is launch-bound (the
-device's utilization holds their work too). One that loses nothing runs that
+OVERLAP_RETRY_S. Otherwise, beside others, its synchronize calls alone say
+whether it is launch-bound (the device's utilization holds their work too). One that loses nothing runs that
 much over its cap (errs open, where it costs no one); one that loses what the
 decode loop did lands on it. How much a held decode loop loses changes from
 run to run on the H200 VM (0-23%). So that share is a first guess. A quiet
@@ -122,8 +118,7 @@ uncapped neighbour takes no turns and runs through its samples and its paced
 seconds alike; beside its uncapped twin a held decode loop lost nothing in
 one run and a fifth of its speed in another) has its speed measured
 (sm.progress: now and then it runs free, asked for no hold,
-KeyDecision.sampling), and once known it runs
-cap / speed of the time (stop_share = 1 - speed, below 0 where it does more
+KeyDecision.sampling), and once known it runs cap / speed of the time (stop_share = 1 - speed, below 0 where it does more
 paced than free). What a sample ran over its share is kept apart
 (_Key.reserve) and added to its debt at REPAY_SHARE more per second it runs:
 its holds keep their length, and its share holds over the seconds after. Under
@@ -240,7 +235,7 @@ class _Key:
     host_paced: bool = False
     takes_turns: bool = False   # beside a capped neighbour, not running beside it (overlap)
     long_turns: bool = False    # ... one of them host-paced, running turn_run_s between holds
-    said_host: tuple = (False, False)   # (host_paced, taking turns) as last reported (DUTY mode)
+    said_host: tuple = (False, False)   # (host_paced, its longer turns) as last reported (DUTY)
     stop_share: float = 0.0     # HOST_STOP_SHARE while launch-bound in DUTY mode, else 0
     launch_bound: bool = False  # under LAUNCH_BOUND_SHARE inside synchronize calls (last window)
     quiet: bool = False         # ... in the last window, whatever the device said
@@ -375,9 +370,9 @@ class DutyPacer:
         self.quantum_s = quantum_s
         self.sample_share = sample_share    # 0: speed never measured (host_stop_share alone)
         self.host_run_s = host_run_s    # 0: a host-paced group is held as any other
-        # ... and while it takes turns (None: TURN_RUN_S, but never under host_run_s)
-        self.turn_run_s = max(host_run_s, TURN_RUN_S if turn_run_s is None else turn_run_s) \
-            if host_run_s > 0 else 0.0
+        # ... and while it takes turns (None: TURN_RUN_S; never under host_run_s)
+        self.turn_run_s = host_run_s and max(host_run_s, TURN_RUN_S if turn_run_s is None
+                                             else turn_run_s)
         self.host_stop_share = host_stop_share  # 0: nothing given back for being held
         self.max_hold_s = max(max_hold_s, quantum_s)
         self._keys: dict[tuple[int, int], _Key] = {}
@@ -452,11 +447,9 @@ class DutyPacer:
                    max(HOST_QUANTUM_MAX_S, self.quantum_s))
 
     def _bound(self, k: _Key) -> float:
-        bound = max(self.max_hold_s, 2 * self._quantum(k))
-        if k.long_turns:
-            # its turn comes after a host-paced neighbour's run, and its stop
-            bound = max(bound, self.turn_run_s + 2 * FORCE_AFTER_S)
-        return bound
+        # taking turns beside a host-paced group: its turn comes after that one's run and stop
+        turn = self.turn_run_s + 2 * FORCE_AFTER_S if k.long_turns else 0.0
+        return max(self.max_hold_s, 2 * self._quantum(k), turn)
 
     def _bound_of(self, keys) -> float:
         """The hold bound of a group whose DUTY keys these are."""
@@ -504,11 +497,9 @@ class DutyPacer:
         # device, a group that synchronizes rarely is paced here too.
         pacers = [(key, k.last_active) for key, k in self._keys.items() if k.own is Mode.DUTY]
 
-        # devices where a host-paced group takes turns (as of the last step):
-        # every group taking turns there may wait for its longer run
-        long_turns = {key[1] for key, k in self._keys.items()
-                      if k.takes_turns and k.host_paced and k.mode is Mode.DUTY} \
-            if self.turn_run_s > self.host_run_s else set()
+        # devices where a host-paced group takes turns (as of the last step)
+        long_turns = {key[1] for key, k in self._keys.items() if self.turn_run_s > self.host_run_s
+                      and k.takes_turns and k.host_paced and k.mode is Mode.DUTY}
         sharers = collections.Counter(key[1] for key, k in self._keys.items()
                                       if key in obs.shared and k.launch_bound and k.stop_share)
 
@@ -627,7 +618,6 @@ class DutyPacer:
             if overlap != k.overlap:
                 k.overlap = overlap
                 overlaps.append((key, overlap))
-            # every change of turn costs a host-paced loop a restart: fewer, longer turns
             k.takes_turns = key in obs.shared and not overlap and not sharing.uncapped_beside(
                 key, obs.caps, obs.active or ())
             k.long_turns = k.takes_turns and key[1] in long_turns
@@ -670,8 +660,9 @@ class DutyPacer:
             ask = Ask.NONE
             quantum = self._quantum(k)
             said = k.host_paced and k.mode is Mode.DUTY and self.host_run_s > 0
-            if (said, said and k.takes_turns) != k.said_host:
-                k.said_host = (said, said and k.takes_turns)
+            turns = said and k.takes_turns and self.turn_run_s > self.host_run_s
+            if (said, turns) != k.said_host:
+                k.said_host = (said, turns)
                 slices.append((key, said, quantum))
             if k.mode is Mode.DUTY and not held and k.debt >= quantum and not k.meter.sampling:
                 if k.asked_since is None:

@@ -16,6 +16,7 @@ from hami_bpf.cli.main import COMMANDS, main
 from hami_bpf.cli.render import fmt_bytes, render_doctor, render_slots, render_top, to_text
 from hami_bpf.server import SnapshotServer
 from hami_bpf.snapshot import EventRecord, example_snapshot
+from hami_bpf.sm.controller import Settings
 
 SCHEMAS = Path(hami_bpf.__file__).parent / "schemas"
 HEAVY = ("bcc", "hami_bpf.probes", "hami_bpf.daemon")
@@ -150,14 +151,21 @@ def test_run_defaults(fake_daemon):
 
 def test_run_sm_options(fake_daemon):
     assert invoke("run", "--no-sm-learn-alone", "--sm-turn-ms", "200",
-                  "--sm-hold-ms", "120", "--sm-giveback-pct", "0").exit_code == 0
+                  "--sm-hold-ms", "120", "--sm-giveback-pct", "0",
+                  "--sm-turn-run-ms", "600").exit_code == 0
     (cfg,) = fake_daemon.calls
     assert not cfg.sm_learn_alone and cfg.sm_turn_ms == 200 and cfg.sm_hold_ms == 120
-    assert cfg.sm_giveback_pct == 0
+    assert cfg.sm_giveback_pct == 0 and cfg.sm_turn_run_ms == 600
+    assert Settings.from_config(cfg).turn_run_s == 0.6
 
 
 def test_run_refuses_a_giveback_over_50(fake_daemon):
     assert invoke("run", "--sm-giveback-pct", "60").exit_code == 2
+    assert not fake_daemon.calls
+
+
+def test_run_refuses_a_turn_run_over_a_second(fake_daemon):
+    assert invoke("run", "--sm-turn-run-ms", "1001").exit_code == 2
     assert not fake_daemon.calls
 
 
