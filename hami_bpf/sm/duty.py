@@ -97,29 +97,29 @@ given it back made 20.4% of its speed). Beside neighbours it is given back as
 much of the first guess as the time their caps leave unclaimed covers
 (Observation.spare: 20% beside a neighbour at 30 for a cap of 50; all of it
 beside uncapped groups only, which are promised nothing), split between the
-groups given some there: that time is no one's. Beside
-launch-bound groups only it is given it all (KeyDecision.overlap: each paced
-by its own synchronizes, quiet, and its device read under LAUNCH_IDLE_BUSY
-per second it ran, alone or with their work included, for LIGHT_AFTER_S;
-with no reading, never): they run beside each other (sm.handoff), so the
-time is not theirs. Each slows the other a little there (its synchronizes
-wait for their work; the reading holds theirs), so it stays light until it
-waits OVERLAP_WAITED_SHARE of its running time, more than a hold would cost
-it, or its device reads OVERLAP_BUSY (two of them read 47-52 together on an
-H100; a phase of one that fills it reads more), and then takes turns for
-OVERLAP_RETRY_S. Otherwise, beside others, its synchronize calls alone say
-whether it is launch-bound (the device's utilization holds their work too). One that loses nothing runs that
+groups given some there: that time is no one's. Beside launch-bound groups
+only it is given it all (KeyDecision.overlap: each paced by its own
+synchronizes, quiet, and its device read under LAUNCH_IDLE_BUSY per second it
+ran, alone or with their work included, for LIGHT_AFTER_S; with no reading,
+never): they run beside each other (sm.handoff), so the time is not theirs.
+Each slows the other a little there (its synchronizes wait for their work; the
+reading holds theirs), so it stays light until it waits OVERLAP_WAITED_SHARE
+of its running time, more than a hold would cost it, or its device reads
+OVERLAP_BUSY (two of them read 47-52 together on an H100; a phase of one that
+fills it reads more), and then takes turns for OVERLAP_RETRY_S. Otherwise,
+beside others, its synchronize calls alone say whether it is launch-bound (the
+device's utilization holds their work too). One that loses nothing runs that
 much over its cap (errs open, where it costs no one); one that loses what the
 decode loop did lands on it. How much a held decode loop loses changes from
 run to run on the H200 VM (0-23%). So that share is a first guess. A quiet
 group alone on its device, or beside uncapped groups only (under
 LAUNCH_BOUND_SHARE inside synchronize calls, until LAUNCH_SLACK_SHARE; an
 uncapped neighbour takes no turns and runs through its samples and its paced
-seconds alike; beside its uncapped twin a held decode loop lost nothing in
-one run and a fifth of its speed in another) has its speed measured
-(sm.progress: now and then it runs free, asked for no hold,
-KeyDecision.sampling), and once known it runs cap / speed of the time (stop_share = 1 - speed, below 0 where it does more
-paced than free). What a sample ran over its share is kept apart
+seconds alike; beside its uncapped twin a held decode loop lost nothing in one
+run and a fifth of its speed in another) has its speed measured (sm.progress:
+now and then it runs free, asked for no hold, KeyDecision.sampling), and once
+known it runs cap / speed of the time (stop_share = 1 - speed, below 0 where
+it does more paced than free). What a sample ran over its share is kept apart
 (_Key.reserve) and added to its debt at REPAY_SHARE more per second it runs:
 its holds keep their length, and its share holds over the seconds after. Under
 SAMPLE_FROM_CAP nothing is sampled: a free second owes too much there (three
