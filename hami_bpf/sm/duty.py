@@ -595,8 +595,9 @@ class DutyPacer:
             # Beside uncapped groups only it is measured as alone: they run
             # through its samples and its paced seconds alike, and the time a
             # hold costs it is no one's.
-            alone = mode is Mode.DUTY and not by_neighbour and (
-                key not in obs.shared or sharing.uncapped_beside(key, obs.caps, obs.active or ()))
+            beside_capped = key in obs.shared and not sharing.uncapped_beside(
+                key, obs.caps, obs.active or ())
+            alone = mode is Mode.DUTY and not by_neighbour and not beside_capped
             drops, phases = k.meter.dropped, k.meter.phases
             sample = k.meter.step(now, u.launches, k.held_s,
                                   alone and k.sampled and k.cap >= SAMPLE_FROM_CAP, held, k.cap)
@@ -618,8 +619,7 @@ class DutyPacer:
             if overlap != k.overlap:
                 k.overlap = overlap
                 overlaps.append((key, overlap))
-            k.takes_turns = key in obs.shared and not overlap and not sharing.uncapped_beside(
-                key, obs.caps, obs.active or ())
+            k.takes_turns = beside_capped and not overlap
             k.long_turns = k.takes_turns and key[1] in long_turns
             stop_share = (self.host_stop_share if k.launch_bound and alone or overlap else 0.0)
             if (alone or overlap) and k.sampled and k.meter.speed is not None:
